@@ -1,0 +1,332 @@
+"""Optimizer-step time of ``ddp_scratch`` vs Lightning's ``ddp`` vs a no-communication peer, plus the memory floor.
+
+Runbook (2 CPU ranks, gloo, one thread each; the full run takes several minutes on a 2-core machine)::
+
+    torchrun --nproc_per_node 2 benchmarks/ddp_step_time.py                       # gpt25m, 12 steps x 3 rounds
+    torchrun --nproc_per_node 2 benchmarks/ddp_step_time.py --preset tiny --steps 4 --warmup 1 --rounds 1  # smoke
+
+Protocol (``/work/shared/NOTES.md`` section 4): in one torchrun launch, each round fits the *same* model (same seed,
+same init, same data, ``AdamW(fused=True)``) for ``--steps`` optimizer steps under every candidate in turn
+(A B C A B C ...), so machine drift hits all candidates alike. Each optimizer step is timed from
+``on_train_batch_start`` to ``on_train_batch_end``; the first ``--warmup`` steps of every fit are dropped. A step's
+time is the slowest rank's time for that step (the step is not done until every rank is). Only ratios measured
+within one run are meaningful: absolute times move ~20% between runs on this machine.
+
+Candidates:
+
+- ``ddp_scratch``: :class:`lightning_zero.ScratchDDPStrategy` (bucketed all-reduce overlapped with backward).
+- ``ddp``: Lightning's built-in ``DDPStrategy()`` (torch ``DistributedDataParallel``), defaults.
+- ``nocomm``: ``ScratchDDPStrategy`` with gradient sync switched off for every step: the same per-rank work (the
+  reducer's hooks still copy gradients into its buckets) with no collective at all. ``x - nocomm`` is the cost of
+  communication that backward did not hide.
+
+After every ``ddp_scratch`` fit, before teardown, the per-rank model-state bytes are counted with
+:func:`lightning_zero.memory.model_state_bytes` (floor: 16Ψ for fp32 AdamW) and the gradient all-reduce bytes per
+step are read from :data:`lightning_zero.collectives.LEDGER` (floor: 4Ψ of all-reduce input per step).
+
+The process group is created by the first fit and reused by every later one: Lightning's ``_init_dist_connection``
+(used by both ``DDPStrategy`` and ``ScratchDDPStrategy``) returns early when ``torch.distributed`` is initialised, and
+neither strategy destroys the group in ``teardown``. The script checks that the group object never changes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import os
+import statistics
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from lightning.pytorch.strategies import DDPStrategy, Strategy
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_zero import ScratchDDPStrategy
+from lightning_zero.collectives import LEDGER
+from lightning_zero.memory import ModelStateBytes, model_state_bytes
+
+try:  # run as a script, sys.path[0] is benchmarks/; imported from the repo root, it is a namespace package
+    from benchmarks.gpt import PRESETS, GPTConfig, GPTLightningModule, random_token_dataset
+except ImportError:
+    from gpt import PRESETS, GPTConfig, GPTLightningModule, random_token_dataset  # type: ignore[no-redef]
+
+CANDIDATES = ("ddp_scratch", "ddp", "nocomm")
+MIB = 2**20
+
+
+class NoCommStrategy(ScratchDDPStrategy):
+    """``ddp_scratch`` minus communication: the compute peer every data-parallel candidate is compared with.
+
+    The reducer stays installed (its hooks keep binding ``p.grad`` to bucket views, as in ``ddp_scratch``) but every
+    backward runs in its no-sync state. ``GradientReducer.no_sync`` restores the previous value on exit, so the
+    ``block_backward_sync`` Lightning enters on non-boundary micro-batches keeps it off too.
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(broadcast_buffers=False, **kwargs)  # no per-step buffer broadcast either
+
+    def setup(self, trainer: L.Trainer) -> None:
+        super().setup(trainer)
+        if self.reducer is not None:
+            self.reducer.require_backward_grad_sync = False
+
+
+class StepTimer(L.Callback):
+    """Wall time of every optimizer step (``accumulate_grad_batches=1``: one batch = one step) on this rank."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self._start = 0.0
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self.times.append(time.perf_counter() - self._start)
+
+
+@dataclass(eq=False)  # keep Callback's identity hash: Lightning may put callbacks in sets/dicts
+class CommProbe(L.Callback):
+    """Gradient all-reduce traffic during training and, with a reducer present, model-state bytes at the end.
+
+    ``on_train_end`` runs before ``strategy.teardown``, so ``trainer.strategy.reducer`` (and its buffers) still exist.
+    """
+
+    measure_memory: bool
+    grad_bytes: int = 0
+    grad_calls: int = 0
+    steps: int = 0
+    memory: ModelStateBytes | None = None
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        LEDGER.reset()  # drop setup traffic (the initial parameter broadcast is tagged "sync_states" anyway)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.grad_bytes = LEDGER.bytes("all_reduce", "grads")
+        self.grad_calls = LEDGER.calls("all_reduce", "grads")
+        self.steps = trainer.global_step
+        if self.measure_memory:
+            reducer = trainer.strategy.reducer  # type: ignore[attr-defined]
+            self.memory = model_state_bytes(pl_module.parameters(), trainer.optimizers, reducer.buffers)
+
+
+@dataclass
+class CandidateResult:
+    times: list[float] = field(default_factory=list)  # seconds, warm-up dropped, all rounds
+    probes: list[CommProbe] = field(default_factory=list)
+
+
+def make_strategy(name: str, bucket_size_mb: float) -> Strategy:
+    if name == "ddp_scratch":
+        return ScratchDDPStrategy(bucket_size_mb=bucket_size_mb)
+    if name == "ddp":
+        return DDPStrategy()  # Lightning's defaults (25 MiB buckets, no gradient_as_bucket_view)
+    if name == "nocomm":
+        return NoCommStrategy(bucket_size_mb=bucket_size_mb)
+    raise ValueError(f"unknown candidate {name!r}: expected one of {CANDIDATES}")
+
+
+def fit_once(
+    name: str, args: argparse.Namespace, dataset: Dataset, devices: int, num_nodes: int
+) -> tuple[list[float], CommProbe]:
+    """One fit of a freshly initialised model under candidate ``name``; returns (step times, CommProbe)."""
+    L.seed_everything(args.seed, verbose=False)  # same init and same DistributedSampler order for every candidate
+    module = GPTLightningModule(PRESETS[args.preset])
+    timer = StepTimer()
+    probe = CommProbe(measure_memory=name == "ddp_scratch")
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        num_nodes=num_nodes,
+        strategy=make_strategy(name, args.bucket_size_mb),
+        max_steps=args.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        log_every_n_steps=1,  # nothing is logged; only avoids the "fewer batches than the log interval" warning
+        callbacks=[timer, probe],
+    )
+    trainer.fit(module, DataLoader(dataset, batch_size=args.batch_size))
+    if trainer.global_step != args.steps:
+        raise RuntimeError(f"{name}: ran {trainer.global_step} optimizer steps, expected {args.steps}")
+    # Free this fit's model, optimizer state and buckets before the next candidate allocates its own.
+    del trainer, module
+    gc.collect()
+    return timer.times, probe
+
+
+def quartiles(values: list[float]) -> tuple[float, float, float]:
+    if len(values) < 2:
+        return values[0], values[0], values[0]
+    q1, q2, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return q1, q2, q3
+
+
+def reproduce_command(args: argparse.Namespace, nproc: int) -> str:
+    script = os.path.relpath(os.path.abspath(__file__), os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return (
+        f"torchrun --nproc_per_node {nproc} {script} --preset {args.preset} --steps {args.steps}"
+        f" --warmup {args.warmup} --rounds {args.rounds} --batch-size {args.batch_size}"
+        f" --bucket-size-mb {args.bucket_size_mb:g} --seed {args.seed} --candidates {' '.join(args.candidates)}"
+    )
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="gpt25m")
+    parser.add_argument("--steps", type=int, default=12, help="optimizer steps per fit")
+    parser.add_argument("--warmup", type=int, default=3, help="steps dropped at the start of every fit")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds over all candidates")
+    parser.add_argument("--batch-size", type=int, default=2, help="sequences per rank per step")
+    parser.add_argument("--bucket-size-mb", type=float, default=25.0, help="ScratchDDPStrategy bucket cap (MiB)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--candidates", nargs="+", choices=CANDIDATES, default=list(CANDIDATES))
+    args = parser.parse_args(argv)
+    if args.steps <= args.warmup:
+        parser.error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup})")
+    if args.rounds < 1 or args.batch_size < 1 or args.bucket_size_mb <= 0:
+        parser.error("--rounds and --batch-size must be >= 1 and --bucket-size-mb > 0")
+    return args
+
+
+def quiet_lightning() -> None:
+    """Keep stdout to the tables: Lightning's info logs and the warnings that do not apply to a synthetic benchmark."""
+    for name in ("lightning.pytorch", "lightning.fabric", "lightning_utilities"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", message=r".*does not have many workers.*")
+    warnings.filterwarnings("ignore", message=r".*smaller than the logging interval.*")
+    warnings.filterwarnings("ignore", message=r".*can run with static graph.*")
+    # Lightning 2.6.6 on torch 2.13 (lightning/pytorch/utilities/_pytree.py), once per rank, not ours to fix.
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*", category=FutureWarning)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if "LOCAL_WORLD_SIZE" not in os.environ:
+        sys.exit("launch with torchrun, e.g.: torchrun --nproc_per_node 2 benchmarks/ddp_step_time.py")
+    torch.set_num_threads(1)  # 2 ranks on 2 cores: one thread each, or ranks fight for cores (NOTES.md section 4)
+    quiet_lightning()
+    local_world = int(os.environ["LOCAL_WORLD_SIZE"])
+    world = int(os.environ["WORLD_SIZE"])
+    num_nodes = world // local_world
+    is_rank0 = int(os.environ["RANK"]) == 0
+    config = PRESETS[args.preset]
+
+    if is_rank0:
+        print(f"reproduce: {reproduce_command(args, local_world)}")
+        print(
+            f"torch {torch.__version__}, lightning {L.__version__}, {world} ranks x {torch.get_num_threads()} thread,"
+            f" preset {args.preset} ({config.n_layer}L x {config.n_embd}, vocab {config.vocab_size},"
+            f" T={config.block_size}), {args.batch_size} seq/rank, fp32, AdamW(fused=True)",
+            flush=True,
+        )
+
+    # Enough distinct samples for one epoch of max_steps on every rank (the DistributedSampler splits them).
+    dataset = random_token_dataset(
+        args.steps * args.batch_size * world, config.block_size, config.vocab_size, args.seed
+    )
+    results = {name: CandidateResult() for name in args.candidates}
+    world_group = None
+    fits = 0
+    for round_idx in range(args.rounds):
+        for name in args.candidates:
+            times, probe = fit_once(name, args, dataset, local_world, num_nodes)
+            fits += 1
+            # The first fit creates the default process group; every later fit, whichever strategy, must reuse it.
+            if world_group is None:
+                world_group = dist.group.WORLD
+            elif dist.group.WORLD is not world_group:
+                raise RuntimeError(f"round {round_idx + 1}, {name}: the default process group was re-created")
+            kept = times[args.warmup :]
+            results[name].times.extend(kept)
+            results[name].probes.append(probe)
+
+    # Per-rank step times -> the slowest rank's time for each step.
+    local_times = {name: r.times for name, r in results.items()}
+    gathered: list[dict[str, list[float]]] = [{} for _ in range(world)]
+    dist.all_gather_object(gathered, local_times)
+    memories = [p.memory for p in results["ddp_scratch"].probes] if "ddp_scratch" in results else []
+    gathered_memory: list[list[ModelStateBytes | None]] = [[] for _ in range(world)]
+    dist.all_gather_object(gathered_memory, memories)
+
+    if is_rank0:
+        report(args, config, results, gathered, gathered_memory, fits)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def report(
+    args: argparse.Namespace,
+    config: GPTConfig,
+    results: dict[str, CandidateResult],
+    gathered: list[dict[str, list[float]]],
+    gathered_memory: list[list[ModelStateBytes | None]],
+    fits: int,
+) -> None:
+    psi = GPTLightningModule(config).model.num_parameters()
+    medians: dict[str, float] = {}
+    rows = []
+    for name in results:
+        # strict: every rank ran the same steps; unequal lengths would mean a bug, not data to truncate.
+        per_step = [max(ts) for ts in zip(*(g[name] for g in gathered), strict=True)]
+        kept = args.steps - args.warmup  # each fit contributed this many consecutive entries
+        rounds = [statistics.median(per_step[i : i + kept]) for i in range(0, len(per_step), kept)]
+        p25, med, p75 = quartiles(per_step)
+        medians[name] = med
+        rows.append((name, med, p25, p75, len(per_step), rounds))
+
+    print(f"\nstep time, ms (slowest rank per step; {args.warmup} warm-up steps dropped per fit; {fits} fits,")
+    print("process group created by the first fit and reused by all)")
+    header = f"{'candidate':<12} {'median':>8} {'p25':>8} {'p75':>8} {'n':>4} {'vs ddp':>7} {'vs nocomm':>9}"
+    header += "  per-round medians"
+    print(header)
+    print("-" * len(header))
+    for name, med, p25, p75, n, rounds in rows:
+        vs_ddp = f"{med / medians['ddp']:.3f}" if "ddp" in medians else "-"
+        vs_nocomm = f"{med / medians['nocomm']:.3f}" if "nocomm" in medians else "-"
+        per_round = " / ".join(f"{1e3 * r:.1f}" for r in rounds)
+        quarts = f"{1e3 * med:8.1f} {1e3 * p25:8.1f} {1e3 * p75:8.1f}"
+        print(f"{name:<12} {quarts} {n:>4} {vs_ddp:>7} {vs_nocomm:>9}  {per_round}")
+    if "nocomm" in medians:
+        exposed = ", ".join(f"{n} {1e3 * (m - medians['nocomm']):+.1f}" for n, m in medians.items() if n != "nocomm")
+        print(f"exposed communication (median - nocomm median), ms: {exposed}")
+
+    if "nocomm" in results:
+        leaked = sum(p.grad_bytes for p in results["nocomm"].probes)
+        print(f"nocomm gradient all-reduce bytes: {leaked} (must be 0)")
+    if "ddp_scratch" in results:
+        probe = results["ddp_scratch"].probes[-1]
+        bytes_per_step = probe.grad_bytes / probe.steps
+        print(
+            f"ddp_scratch gradient all-reduce per step: {bytes_per_step / MIB:.2f} MiB in"
+            f" {probe.grad_calls / probe.steps:g} calls (bucket cap {args.bucket_size_mb:g} MiB)"
+            f" = {bytes_per_step / (4 * psi):.4f} x 4Ψ"
+        )
+        # Largest count over ranks and fits (they should all agree).
+        mems = [m for per_rank in gathered_memory for m in per_rank if m is not None]
+        worst = max(mems, key=lambda m: m.total)
+        if len({m.total for m in mems}) > 1:
+            print(f"note: model-state bytes differ between ranks/fits: {sorted({m.total for m in mems})}")
+        print(
+            f"ddp_scratch model states per rank, MiB (Ψ = {psi:,}): params {worst.params / MIB:.2f},"
+            f" grads {worst.grads / MIB:.2f}, optimizer {worst.optimizer / MIB:.2f},"
+            f" strategy_buffers {worst.strategy_buffers / MIB:.2f}, total {worst.total / MIB:.2f}"
+            f" = {worst.total / (16 * psi):.4f} x 16Ψ"
+        )
+
+
+if __name__ == "__main__":
+    main()

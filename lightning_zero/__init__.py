@@ -1,0 +1,16 @@
+"""lightning_zero: data-parallel and ZeRO strategies for PyTorch Lightning, written on torch.distributed collectives.
+
+Importing this package registers the strategy names with Lightning, so ``Trainer(strategy="ddp_scratch")`` works.
+Lightning has no entry point for strategies and its Trainer snapshots the registry when it is built, so the import
+must happen before ``Trainer(...)``. Hydra configs that name ``_target_: lightning_zero....`` import it for you.
+"""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_zero.strategies import ScratchDDPStrategy, ScratchParallelStrategy
+
+__version__ = "0.1.0.dev0"
+
+ScratchDDPStrategy.register_strategies(StrategyRegistry)
+
+__all__ = ["ScratchDDPStrategy", "ScratchParallelStrategy", "__version__"]

@@ -1,0 +1,238 @@
+"""The collectives shim: every collective that lightning_zero issues goes through this module.
+
+It has two jobs.
+
+1. **The communication ledger.** Each call is recorded in :data:`LEDGER` as ``(op, tag, bytes)``, where ``bytes``
+   is the size of the *input* this rank contributes (an all-reduce of a 100 MiB bucket records 100 MiB whatever the
+   algorithm puts on the wire). Tests and benchmarks read it to prove, for example, that a non-boundary
+   micro-batch communicates nothing. Tags name the purpose (``"grads"``, ``"sync_states"``, ``"log"``...).
+
+2. **Primitive choice per backend.** [Note: gloo substitutes] On gloo (torch 2.13) ``reduce_scatter`` is a clone
+   plus a full all-reduce plus a copy, and ``all_gather_into_tensor`` allocates a full-size temporary; both are slower
+   than ``all_reduce`` for large messages (``benchmarks/collectives.py`` measures it). So on gloo:
+
+   - reduce-scatter  = all-reduce the input *in place*, then copy this rank's chunk out
+     (the input is a scratch buffer the caller gives up);
+   - all-gather      = one broadcast per rank straight into the preallocated output.
+
+   NCCL (and any other backend) keeps the native ``reduce_scatter_single`` / ``all_gather_single``.
+
+Asynchronous calls return a :class:`Handle` whose ``wait()`` also runs any copy-out the substitute needs.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+ReduceOpName = str  # "sum" | "avg" | "max" | "min" | "product"
+
+# torch 2.13 renamed the flat collectives; the old names warn on every call.
+_reduce_scatter_native = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_native = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+_REDUCE_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "avg": dist.ReduceOp.AVG,
+    "mean": dist.ReduceOp.AVG,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+    "product": dist.ReduceOp.PRODUCT,
+}
+
+
+@dataclass
+class CommLedger:
+    """Counts collective calls and input bytes per ``(op, tag)``.
+
+    ``records`` keeps every call in order so a test can slice the ledger around one micro-batch.
+    """
+
+    records: list[tuple[str, str, int]] = field(default_factory=list)
+
+    def record(self, op: str, tag: str, nbytes: int) -> None:
+        self.records.append((op, tag, nbytes))
+
+    def reset(self) -> None:
+        self.records.clear()
+
+    def _select(self, op: str | None, tag: str | None) -> list[int]:
+        return [b for o, t, b in self.records if (op is None or o == op) and (tag is None or t == tag)]
+
+    def bytes(self, op: str | None = None, tag: str | None = None) -> int:
+        """Total input bytes of the calls matching ``op`` and ``tag`` (``None`` matches any)."""
+        return sum(self._select(op, tag))
+
+    def calls(self, op: str | None = None, tag: str | None = None) -> int:
+        """Number of calls matching ``op`` and ``tag`` (``None`` matches any)."""
+        return len(self._select(op, tag))
+
+    def summary(self) -> dict[tuple[str, str], tuple[int, int]]:
+        """``{(op, tag): (calls, bytes)}``."""
+        out: dict[tuple[str, str], tuple[int, int]] = {}
+        for op, tag, nbytes in self.records:
+            calls, total = out.get((op, tag), (0, 0))
+            out[(op, tag)] = (calls + 1, total + nbytes)
+        return out
+
+
+LEDGER = CommLedger()
+"""The process-wide ledger every call in this module records into."""
+
+
+class Handle:
+    """A pending collective: one or more ``torch.distributed`` works plus an optional copy-out to run after them."""
+
+    def __init__(self, works: Sequence[Any] = (), then: Callable[[], None] | None = None) -> None:
+        self._works = [w for w in works if w is not None]
+        self._then = then
+
+    def wait(self) -> None:
+        for work in self._works:
+            work.wait()
+        self._works = []
+        if self._then is not None:
+            then, self._then = self._then, None
+            then()
+
+
+def _nbytes(tensor: Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _op(name: ReduceOpName) -> Any:
+    try:
+        return _REDUCE_OPS[name]
+    except KeyError:
+        raise ValueError(f"reduce op {name!r} is invalid: expected one of {sorted(_REDUCE_OPS)}") from None
+
+
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def world_size(group: Any = None) -> int:
+    return dist.get_world_size(group) if is_initialized() else 1
+
+
+def rank(group: Any = None) -> int:
+    return dist.get_rank(group) if is_initialized() else 0
+
+
+def uses_gloo_substitutes(group: Any = None) -> bool:
+    """Whether reduce-scatter/all-gather use the gloo substitutes described in the module docstring."""
+    return dist.get_backend(group) == "gloo"
+
+
+def _finish(works: Sequence[Any], async_op: bool, then: Callable[[], None] | None = None) -> Handle | None:
+    handle = Handle(works, then)
+    if async_op:
+        return handle
+    handle.wait()
+    return None
+
+
+def all_reduce(
+    tensor: Tensor, op: ReduceOpName = "sum", *, group: Any = None, async_op: bool = False, tag: str = ""
+) -> Handle | None:
+    """In-place all-reduce of ``tensor``."""
+    reduce_op = _op(op)
+    LEDGER.record("all_reduce", tag, _nbytes(tensor))
+    work = dist.all_reduce(tensor, op=reduce_op, group=group, async_op=async_op)
+    return _finish([work], async_op)
+
+
+def broadcast(
+    tensor: Tensor, src: int = 0, *, group: Any = None, async_op: bool = False, tag: str = ""
+) -> Handle | None:
+    """In-place broadcast of ``tensor`` from global rank ``src``."""
+    LEDGER.record("broadcast", tag, _nbytes(tensor))
+    work = dist.broadcast(tensor, src=src, group=group, async_op=async_op)
+    return _finish([work], async_op)
+
+
+def reduce_scatter(
+    output: Tensor,
+    input: Tensor,
+    op: ReduceOpName = "sum",
+    *,
+    group: Any = None,
+    async_op: bool = False,
+    tag: str = "",
+) -> Handle | None:
+    """Reduce ``input`` (``world_size`` equal chunks, flat) across ranks; this rank's chunk lands in ``output``.
+
+    On gloo ``input`` is overwritten with the full reduction (see [Note: gloo substitutes]).
+    """
+    n = world_size(group)
+    if input.numel() != output.numel() * n:
+        raise ValueError(
+            f"reduce_scatter input has {input.numel()} elements: expected world_size={n} x output {output.numel()}"
+        )
+    LEDGER.record("reduce_scatter", tag, _nbytes(input))
+    if not uses_gloo_substitutes(group):
+        work = _reduce_scatter_native(output, input, op=_op(op), group=group, async_op=async_op)
+        return _finish([work], async_op)
+    work = dist.all_reduce(input, op=_op(op), group=group, async_op=async_op)
+    chunk = input.view(-1).narrow(0, rank(group) * output.numel(), output.numel())
+    return _finish([work], async_op, then=lambda: output.view(-1).copy_(chunk))
+
+
+def all_gather(
+    output: Tensor, input: Tensor, *, group: Any = None, async_op: bool = False, tag: str = ""
+) -> Handle | None:
+    """Gather every rank's ``input`` into the flat ``output`` (rank ``r``'s chunk at ``[r*k, (r+1)*k)``)."""
+    n = world_size(group)
+    k = input.numel()
+    if output.numel() != k * n:
+        raise ValueError(f"all_gather output has {output.numel()} elements: expected world_size={n} x input {k}")
+    LEDGER.record("all_gather", tag, _nbytes(input))
+    if not uses_gloo_substitutes(group):
+        work = _all_gather_native(output, input, group=group, async_op=async_op)
+        return _finish([work], async_op)
+    flat = output.view(-1)
+    me = rank(group)
+    flat.narrow(0, me * k, k).copy_(input.view(-1))
+    works = []
+    for r in range(n):
+        src = r if group is None else dist.get_global_rank(group, r)
+        works.append(dist.broadcast(flat.narrow(0, r * k, k), src=src, group=group, async_op=async_op))
+    return _finish(works, async_op)
+
+
+def all_gather_stack(tensor: Tensor, *, group: Any = None, sync_grads: bool = False, tag: str = "") -> Tensor:
+    """Gather ``tensor`` from every rank into a new ``(world_size, *tensor.shape)`` tensor.
+
+    With ``sync_grads=True`` the result is differentiable (gradients flow back to each rank's input).
+    """
+    LEDGER.record("all_gather", tag, _nbytes(tensor))
+    if sync_grads:
+        from torch.distributed.nn.functional import all_gather as differentiable_all_gather
+
+        return torch.stack(differentiable_all_gather(tensor, group=group))
+    tensor = tensor.contiguous()
+    gathered = [torch.empty_like(tensor) for _ in range(world_size(group))]
+    dist.all_gather(gathered, tensor, group=group)
+    return torch.stack(gathered)
+
+
+def broadcast_object(obj: Any, src: int = 0, *, group: Any = None, tag: str = "") -> Any:
+    """Broadcast a picklable object from ``src``; every rank returns rank ``src``'s object."""
+    LEDGER.record("broadcast_object", tag, len(pickle.dumps(obj)) if rank(group) == src else 0)
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
+
+
+def barrier(*, group: Any = None, device_ids: list[int] | None = None, tag: str = "") -> None:
+    LEDGER.record("barrier", tag, 0)
+    if device_ids is not None and dist.get_backend(group) == "nccl":
+        dist.barrier(group=group, device_ids=device_ids)
+    else:
+        dist.barrier(group=group)

@@ -1,0 +1,6 @@
+"""Lightning ``Strategy`` subclasses of lightning_zero, one module per strategy."""
+
+from lightning_zero.strategies.base import ScratchParallelStrategy
+from lightning_zero.strategies.ddp import ScratchDDPStrategy
+
+__all__ = ["ScratchDDPStrategy", "ScratchParallelStrategy"]

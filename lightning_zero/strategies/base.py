@@ -1,0 +1,225 @@
+"""The base of every lightning_zero strategy: processes, ranks, the process group and Lightning's collectives.
+
+What a subclass inherits:
+
+- **Launching** like Lightning's ``ddp``: ``start_method="popen"`` re-runs the script once per extra local rank,
+  ``"spawn"``/``"fork"``/``"forkserver"`` start workers with :mod:`torch.multiprocessing`. When the processes are
+  created outside (``torchrun``, SLURM), Lightning's cluster environment says so and nothing is launched.
+- **The process group** from that cluster environment, backend ``gloo`` on CPU and ``nccl`` on CUDA unless
+  ``process_group_backend`` says otherwise.
+- ``is_distributed = True``, so Lightning injects a ``DistributedSampler`` into every loader.
+- ``reduce``/``all_gather``/``broadcast``/``barrier`` through :mod:`lightning_zero.collectives`, which is what
+  ``self.log(..., sync_dist=True)`` and ``trainer.strategy.reduce`` use.
+
+Settings are validated when the strategy is built and again when the Trainer attaches the accelerator
+(``_configure_launcher``), so a bad combination fails before any process starts.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies import _StrategyRegistry
+from lightning.fabric.utilities.distributed import _init_dist_connection
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_zero import collectives as comm
+
+log = logging.getLogger(__name__)
+
+START_METHODS = ("popen", "spawn", "fork", "forkserver")
+BACKENDS = ("gloo", "nccl", "mpi", "ucc")
+
+
+def _reduce_op_name(reduce_op: Any) -> str:
+    """Lightning passes ``"mean"``/``"sum"``/... strings or ``torch.distributed.ReduceOp`` members."""
+    if reduce_op is None:
+        return "sum"
+    if isinstance(reduce_op, str):
+        return "avg" if reduce_op.lower() == "mean" else reduce_op.lower()
+    for name in ("sum", "avg", "max", "min", "product"):
+        if reduce_op == getattr(dist.ReduceOp, name.upper()):
+            return name
+    raise ValueError(f"reduce_op={reduce_op!r} is invalid: expected 'mean', 'sum', 'max', 'min' or a ReduceOp")
+
+
+class ScratchParallelStrategy(ParallelStrategy):
+    """Multi-process, one-device-per-process strategy base: launching, process group and collectives.
+
+    Args:
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: as in Lightning's
+            ``DDPStrategy``; the Trainer fills them in.
+        process_group_backend: ``"gloo"``, ``"nccl"``, ``"mpi"`` or ``"ucc"``; default ``gloo`` on CPU and ``nccl``
+            on CUDA.
+        timeout: collective timeout (a ``timedelta`` or seconds). A rank that dies makes the others fail after at
+            most this long instead of hanging.
+        start_method: ``"popen"`` (default), ``"spawn"``, ``"fork"`` or ``"forkserver"``.
+    """
+
+    def __init__(
+        self,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | float | None = default_pg_timeout,
+        start_method: str = "popen",
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        if process_group_backend is not None and process_group_backend not in BACKENDS:
+            raise ValueError(
+                f"process_group_backend={process_group_backend!r} is invalid: expected one of {BACKENDS} or None"
+                " (gloo on CPU, nccl on CUDA)"
+            )
+        if start_method not in START_METHODS:
+            raise ValueError(f"start_method={start_method!r} is invalid: expected one of {START_METHODS}")
+        if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+            timeout = timedelta(seconds=timeout)
+        if timeout is not None and (not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0):
+            raise ValueError(f"timeout={timeout!r} is invalid: expected a positive timedelta or number of seconds")
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._start_method = start_method
+        self._num_nodes = 1
+
+    # ------------------------------------------------------------ topology
+    @property
+    def is_distributed(self) -> bool:
+        """Always ``True``: makes Lightning inject a ``DistributedSampler`` and sync logged values."""
+        return True
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def process_group_backend(self) -> str | None:
+        return self._process_group_backend
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    # ------------------------------------------------------------ launch + process group
+    def _resolved_backend(self) -> str:
+        if self._process_group_backend is not None:
+            return self._process_group_backend
+        return "nccl" if self.root_device.type == "cuda" else "gloo"
+
+    @override
+    def _configure_launcher(self) -> None:
+        # Called while the Trainer is built, before any process starts: the last moment to reject a bad combination.
+        if self.parallel_devices and self._process_group_backend == "nccl" and self.root_device.type != "cuda":
+            raise ValueError(
+                f"process_group_backend='nccl' needs CUDA devices, but this run uses {self.root_device.type!r}:"
+                " use 'gloo' (or leave it unset) on CPU"
+            )
+        assert self.cluster_environment is not None
+        if self._start_method == "popen":
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = self._resolved_backend()
+        assert self.cluster_environment is not None
+        device_id = self.root_device if self.root_device.type == "cuda" else None
+        _init_dist_connection(
+            self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
+        )
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    # ------------------------------------------------------------ Lightning's collectives
+    def _device_ids(self) -> list[int] | None:
+        return None if self.root_device.type == "cpu" else [self.root_device.index]
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        if comm.is_initialized():
+            comm.barrier(device_ids=self._device_ids(), tag=name or "barrier")
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not comm.is_initialized():
+            return obj
+        return comm.broadcast_object(obj, src, tag="strategy")
+
+    @override
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        """Reduce ``tensor`` in place across processes (``"mean"`` by default); non-tensors pass through."""
+        if not isinstance(tensor, Tensor) or not comm.is_initialized():
+            return tensor
+        op = _reduce_op_name(reduce_op)
+        if op == "avg" and not tensor.is_floating_point():
+            comm.all_reduce(tensor, "sum", group=group, tag="reduce")
+            return tensor.copy_(tensor / comm.world_size(group))
+        comm.all_reduce(tensor, op, group=group, tag="reduce")
+        return tensor
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Any = None, sync_grads: bool = False) -> Tensor:
+        """Stack ``tensor`` from every process into ``(world_size, *shape)``."""
+        if not comm.is_initialized():
+            return tensor
+        return comm.all_gather_stack(tensor, group=group, sync_grads=sync_grads, tag="strategy")
+
+    # ------------------------------------------------------------ registration
+    @classmethod
+    def _register(cls, registry: _StrategyRegistry, name: str, description: str, **init_params: Any) -> None:
+        """Register ``name``; re-importing lightning_zero (or reloading it) replaces our own entry, never another's."""
+        if name in registry:
+            owner = registry[name]["strategy"]
+            if not owner.__module__.startswith("lightning_zero"):
+                raise ValueError(f"strategy name {name!r} is already registered by {owner.__module__}.{owner.__name__}")
+        registry.register(name, cls, description=description, override=True, **init_params)

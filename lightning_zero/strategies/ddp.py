@@ -1,0 +1,133 @@
+"""``ddp_scratch``: data parallelism on our own bucketed all-reduce (:mod:`lightning_zero.reducer`).
+
+Runbook::
+
+    import lightning_zero  # registers the names below
+    trainer = Trainer(accelerator="cpu", devices=2, strategy="ddp_scratch", accumulate_grad_batches=4)
+
+Registered names: ``ddp_scratch`` (popen launcher, like Lightning's ``ddp``), ``ddp_scratch_spawn``,
+``ddp_scratch_find_unused_parameters_true``. The model is not wrapped: ``strategy.model`` is the LightningModule, and
+gradients are averaged by autograd hooks. On the ``accumulate_grad_batches - 1`` non-boundary micro-batches of a
+window Lightning enters :meth:`block_backward_sync`, and nothing is communicated at all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from contextlib import contextmanager
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.fabric.strategies import _StrategyRegistry
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.trainer.states import TrainerFn
+from typing_extensions import override
+
+from lightning_zero import collectives as comm
+from lightning_zero.reducer import GradientReducer
+from lightning_zero.strategies.base import ScratchParallelStrategy
+
+
+def broadcast_module_states(module: Any, src: int = 0, tag: str = "sync_states", buffers_only: bool = False) -> None:
+    """Make every rank's parameters and buffers equal to rank ``src``'s (tied tensors are sent once)."""
+    tensors = [] if buffers_only else list(module.parameters())
+    tensors += list(module.buffers())
+    for tensor in tensors:
+        comm.broadcast(tensor.data, src, tag=tag)
+
+
+class ScratchDDPStrategy(ScratchParallelStrategy):
+    """Data-parallel training with bucketed all-reduce overlapped with backward, written on torch.distributed.
+
+    Args:
+        bucket_size_mb: cap of one gradient bucket in MiB (> 0). 25 balances overlap against per-call overhead.
+        find_unused_parameters: allow trainable parameters that get no gradient in a step (see
+            :class:`~lightning_zero.reducer.GradientReducer`); by default they raise an error naming them.
+        broadcast_buffers: re-broadcast rank 0's buffers (e.g. BatchNorm running stats) before the forward of every
+            micro-batch that synchronises gradients, so buffers never drift apart. Non-boundary micro-batches
+            still communicate nothing.
+        **kwargs: see :class:`~lightning_zero.strategies.base.ScratchParallelStrategy` (``process_group_backend``,
+            ``timeout``, ``start_method``, ...).
+    """
+
+    strategy_name = "ddp_scratch"
+
+    def __init__(
+        self,
+        bucket_size_mb: float = 25,
+        find_unused_parameters: bool = False,
+        broadcast_buffers: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        if isinstance(bucket_size_mb, bool) or not isinstance(bucket_size_mb, (int, float)) or bucket_size_mb <= 0:
+            raise ValueError(f"bucket_size_mb={bucket_size_mb!r} is invalid: expected a number of MiB > 0")
+        super().__init__(**kwargs)
+        self.bucket_size_mb = bucket_size_mb
+        self.find_unused_parameters = find_unused_parameters
+        self.broadcast_buffers = broadcast_buffers
+        self._reducer: GradientReducer | None = None
+
+    @property
+    def reducer(self) -> GradientReducer | None:
+        """The gradient engine while fitting, else ``None``."""
+        return self._reducer
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        broadcast_module_states(self.model)
+        if trainer.state.fn == TrainerFn.FITTING:
+            if self._layer_sync:
+                self.model = self._layer_sync.apply(self.model)
+            self._reducer = GradientReducer(
+                self.model,
+                bucket_cap_bytes=int(self.bucket_size_mb * 2**20),
+                find_unused_parameters=self.find_unused_parameters,
+            )
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Lightning enters this on non-boundary micro-batches: accumulate locally, communicate nothing."""
+        if self._reducer is None:
+            yield None
+            return
+        with self._reducer.no_sync():
+            yield None
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        reducer = self._reducer
+        if self.broadcast_buffers and reducer is not None and reducer.require_backward_grad_sync:
+            broadcast_module_states(self.lightning_module, tag="buffers", buffers_only=True)
+        return super().training_step(*args, **kwargs)
+
+    @override
+    def teardown(self) -> None:
+        if self._reducer is not None:
+            self._reducer.remove()
+            self._reducer = None
+        if self._layer_sync and self.lightning_module is not None:
+            self.model = self._layer_sync.revert(self.lightning_module)
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        cls._register(strategy_registry, "ddp_scratch", "From-scratch bucketed DDP, popen launcher")
+        cls._register(
+            strategy_registry, "ddp_scratch_spawn", "From-scratch bucketed DDP, spawn launcher", start_method="spawn"
+        )
+        cls._register(
+            strategy_registry,
+            "ddp_scratch_find_unused_parameters_true",
+            "From-scratch bucketed DDP allowing parameters without gradients",
+            find_unused_parameters=True,
+        )

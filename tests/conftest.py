@@ -1,0 +1,35 @@
+"""Shared test hygiene: every test starts and ends with a clean process environment.
+
+Lightning's launchers write ``MASTER_ADDR``/``MASTER_PORT``/``LOCAL_RANK``/``WORLD_SIZE``/``NODE_RANK`` and
+``seed_everything`` writes ``PL_GLOBAL_SEED`` into ``os.environ``; a leaked ``LOCAL_RANK`` makes the next Trainer
+believe its processes were created externally. An in-process fit also leaves the default process group alive.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+import torch.distributed as dist
+
+from lightning_zero.collectives import LEDGER
+
+
+def _destroy_default_process_group() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@pytest.fixture(autouse=True)
+def _clean_process_state() -> Iterator[None]:
+    """Snapshot ``os.environ``, start with an empty ledger; afterwards restore both and drop the process group."""
+    saved_env = dict(os.environ)
+    LEDGER.reset()
+    try:
+        yield
+    finally:
+        _destroy_default_process_group()
+        LEDGER.reset()
+        os.environ.clear()
+        os.environ.update(saved_env)

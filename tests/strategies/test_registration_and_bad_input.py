@@ -1,0 +1,73 @@
+"""Registration on import, and settings rejected before any process starts."""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+
+import lightning as L
+import pytest
+from lightning.pytorch.strategies import StrategyRegistry
+
+import lightning_zero
+from lightning_zero import ScratchDDPStrategy
+
+NAMES = ("ddp_scratch", "ddp_scratch_spawn", "ddp_scratch_find_unused_parameters_true")
+
+
+def test_import_registers_names_and_reimport_does_not_raise():
+    for name in NAMES:
+        assert StrategyRegistry[name]["strategy"] is ScratchDDPStrategy
+    importlib.reload(lightning_zero)
+    assert all(name in StrategyRegistry for name in NAMES)
+    assert StrategyRegistry["ddp_scratch_spawn"]["init_params"] == {"start_method": "spawn"}
+
+
+def test_names_exist_only_after_import_in_a_fresh_interpreter():
+    code = (
+        "from lightning.pytorch.strategies import StrategyRegistry as R;"
+        "before = 'ddp_scratch' in R; import lightning_zero; print(before, 'ddp_scratch' in R)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.split() == ["False", "True"]
+
+
+def test_a_name_owned_by_another_package_is_not_clobbered():
+    class Foreign(ScratchDDPStrategy):
+        pass
+
+    Foreign.__module__ = "someone_else.strategies"
+    registry = type(StrategyRegistry)()
+    registry.register("ddp_scratch", Foreign)
+    with pytest.raises(ValueError, match=r"already registered by someone_else\.strategies\.Foreign"):
+        ScratchDDPStrategy.register_strategies(registry)
+
+
+def test_trainer_builds_the_registered_strategy():
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp_scratch_spawn", logger=False)
+    assert isinstance(trainer.strategy, ScratchDDPStrategy)
+    assert trainer.strategy._start_method == "spawn"
+    assert trainer.strategy.distributed_sampler_kwargs == {"num_replicas": 2, "rank": 0}
+    assert trainer._accelerator_connector.is_distributed
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"bucket_size_mb": 0}, "bucket_size_mb=0 is invalid: expected a number of MiB > 0"),
+        ({"bucket_size_mb": -1.5}, "bucket_size_mb=-1.5 is invalid"),
+        ({"bucket_size_mb": "25"}, "bucket_size_mb='25' is invalid"),
+        ({"process_group_backend": "nvlink"}, "process_group_backend='nvlink' is invalid: expected one of"),
+        ({"start_method": "thread"}, "start_method='thread' is invalid: expected one of"),
+        ({"timeout": -3}, "timeout=.* is invalid: expected a positive timedelta"),
+    ],
+)
+def test_bad_settings_raise_one_clear_value_error(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ScratchDDPStrategy(**kwargs)
+
+
+def test_nccl_on_cpu_is_rejected_while_the_trainer_is_built():
+    with pytest.raises(ValueError, match="process_group_backend='nccl' needs CUDA devices, but this run uses 'cpu'"):
+        L.Trainer(accelerator="cpu", devices=2, strategy=ScratchDDPStrategy(process_group_backend="nccl"))
