@@ -1,0 +1,61 @@
+"""Fit the deterministic parity model under a strategy and save the final parameters.
+
+Launched by ``tests/strategies/test_launchers.py`` as a plain script (Lightning's popen launcher re-executes it for
+the extra local ranks) or under ``torchrun``. Global rank 0 writes ``--out``; every other rank ``r`` writes
+``--out`` + ``.rank{r}`` so a test can check that the ranks ended with the same weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+
+import lightning_zero  # noqa: E402, F401  (registers the strategy names)
+from tests.helpers.parity import ParityConfig, fit_lightning  # noqa: E402
+
+
+class _RankRecorder(L.Callback):
+    """Remembers the global rank Lightning assigned to this process."""
+
+    global_rank: int | None = None
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.global_rank = trainer.global_rank
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--strategy", default="ddp_scratch")
+    parser.add_argument("--devices", type=int, default=2, help="processes per node")
+    parser.add_argument("--num-nodes", type=int, default=1)
+    parser.add_argument("--accumulate-grad-batches", type=int, default=1)
+    parser.add_argument(
+        "--world-size", type=int, default=None, help="ParityConfig.world_size (default: devices * num-nodes)"
+    )
+    parser.add_argument("--out", type=Path, required=True, help="where global rank 0 saves the final parameters")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(1)
+    world_size = args.world_size if args.world_size is not None else args.devices * args.num_nodes
+    config = ParityConfig(world_size=world_size, accumulate_grad_batches=args.accumulate_grad_batches)
+    recorder = _RankRecorder()
+    params = fit_lightning(config, args.strategy, devices=args.devices, num_nodes=args.num_nodes, callbacks=[recorder])
+    rank = recorder.global_rank
+    assert rank is not None, "on_fit_end never ran"
+    out = args.out if rank == 0 else args.out.with_name(f"{args.out.name}.rank{rank}")
+    torch.save(params, out)
+
+
+if __name__ == "__main__":
+    main()
