@@ -6,7 +6,7 @@ Runbook::
     torchrun --nproc_per_node 2 benchmarks/collectives.py --sizes-mb 1 4 --reps 2       # smoke
 
 Why: on gloo (torch 2.13) the native ``reduce_scatter_tensor`` is clone + full all-reduce + copy and
-``all_gather_into_tensor`` allocates a full-size temporary (NOTES.md section 2). lightning_zero replaces them on gloo
+``all_gather_into_tensor`` allocates a full-size temporary. lightning_zero replaces them on gloo
 with an in-place all-reduce then slice, and one broadcast per rank into the preallocated output. This script checks
 both claims the shim relies on: the substitutes give the same result, and they are not slower.
 
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if "LOCAL_WORLD_SIZE" not in os.environ:
         sys.exit("launch with torchrun, e.g.: torchrun --nproc_per_node 2 benchmarks/collectives.py")
-    torch.set_num_threads(1)  # 2 ranks on 2 cores (NOTES.md section 4)
+    torch.set_num_threads(1)  # 2 ranks on 2 cores
     dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
     if rank == 0:

@@ -5,7 +5,7 @@ Runbook (2 CPU ranks, gloo, one thread each; the full run takes several minutes 
     torchrun --nproc_per_node 2 benchmarks/ddp_step_time.py                       # gpt25m, 12 steps x 3 rounds
     torchrun --nproc_per_node 2 benchmarks/ddp_step_time.py --preset tiny --steps 4 --warmup 1 --rounds 1  # smoke
 
-Protocol (``/work/shared/NOTES.md`` section 4): in one torchrun launch, each round fits the *same* model (same seed,
+Protocol: in one torchrun launch, each round fits the *same* model (same seed,
 same init, same data, ``AdamW(fused=True)``) for ``--steps`` optimizer steps under every candidate in turn
 (A B C A B C ...), so machine drift hits all candidates alike. Each optimizer step is timed from
 ``on_train_batch_start`` to ``on_train_batch_end``; the first ``--warmup`` steps of every fit are dropped. A step's
@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if "LOCAL_WORLD_SIZE" not in os.environ:
         sys.exit("launch with torchrun, e.g.: torchrun --nproc_per_node 2 benchmarks/ddp_step_time.py")
-    torch.set_num_threads(1)  # 2 ranks on 2 cores: one thread each, or ranks fight for cores (NOTES.md section 4)
+    torch.set_num_threads(1)  # 2 ranks on 2 cores: one thread each, or ranks fight for cores
     quiet_lightning()
     local_world = int(os.environ["LOCAL_WORLD_SIZE"])
     world = int(os.environ["WORLD_SIZE"])

@@ -4,7 +4,7 @@ Runbook::
 
     from benchmarks.gpt import GPTConfig, GPTLightningModule, random_token_dataset
 
-    config = GPTConfig()                        # ~27.4M trainable parameters (the NOTES.md reference model)
+    config = GPTConfig()                        # ~27.4M trainable parameters
     module = GPTLightningModule(config)         # AdamW(lr=3e-4, fused=True) for every strategy
     data = random_token_dataset(num_samples=64, block_size=config.block_size, vocab_size=config.vocab_size)
     trainer.fit(module, DataLoader(data, batch_size=2))
@@ -143,7 +143,7 @@ class GPTLightningModule(L.LightningModule):
     """Next-token cross entropy on ``(idx, targets)`` batches.
 
     The optimizer is ``AdamW(lr=3e-4, fused=True)`` for every strategy: the fused CPU kernel is ~4x faster than the
-    for-loop default, which would otherwise swamp the differences between strategies (NOTES.md section 4).
+    for-loop default, which would otherwise swamp the differences between strategies.
     """
 
     def __init__(self, config: GPTConfig | None = None, lr: float = 3e-4) -> None:

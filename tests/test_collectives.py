@@ -20,24 +20,27 @@ def _collectives_worker(world_size: int) -> dict:
 
     native_rs = torch.empty(k)
     dist.reduce_scatter_single(native_rs, data.clone())
-    ours_rs = torch.empty(k)
-    scratch = data.clone()
-    handle = comm.reduce_scatter(ours_rs, scratch, async_op=True, tag="t")
-    handle.wait()
-
     shard = data[:k].clone()
     native_ag = torch.empty(world_size * k)
     dist.all_gather_single(native_ag, shard)
-    ours_ag = torch.full((world_size * k,), float("nan"))
-    comm.all_gather(ours_ag, shard, tag="t")
+
+    ours = {}
+    for substitutes in (True, False):  # the threshold picks the gloo substitutes or the native ops
+        comm.GLOO_SUBSTITUTE_MIN_BYTES = 0 if substitutes else 1 << 40
+        ours_rs = torch.empty(k)
+        handle = comm.reduce_scatter(ours_rs, data.clone(), async_op=True, tag="t")
+        handle.wait()
+        ours_ag = torch.full((world_size * k,), float("nan"))
+        comm.all_gather(ours_ag, shard, tag="t")
+        ours[substitutes] = (ours_rs, ours_ag)
 
     summed = data.clone()
     comm.all_reduce(summed, "avg", tag="avg")
     stacked = comm.all_gather_stack(torch.tensor([rank, rank * 10.0]))
     obj = comm.broadcast_object({"from": rank}, src=0)
     return {
-        "rs": (native_rs, ours_rs),
-        "ag": (native_ag, ours_ag),
+        "native": (native_rs, native_ag),
+        "ours": ours,
         "avg": summed,
         "data": data,
         "stacked": stacked,
@@ -52,16 +55,16 @@ def test_gloo_substitutes_equal_native_ops_and_ledger_counts_inputs(world_size):
     results = run_workers(_collectives_worker, world_size, world_size)
     everyone = torch.stack([r["data"] for r in results])
     for r in results:
-        native, ours = r["rs"]
-        torch.testing.assert_close(ours, native, rtol=0, atol=1e-6)
-        native, ours = r["ag"]
-        assert torch.equal(ours, native)
+        native_rs, native_ag = r["native"]
+        for ours_rs, ours_ag in r["ours"].values():
+            torch.testing.assert_close(ours_rs, native_rs, rtol=0, atol=1e-6)
+            assert torch.equal(ours_ag, native_ag)
         torch.testing.assert_close(r["avg"], everyone.mean(0))
         assert r["stacked"].tolist() == [[q, q * 10.0] for q in range(world_size)]
         assert r["obj"] == {"from": 0}
         summary = r["summary"]
-        assert summary[("reduce_scatter", "t")] == (1, world_size * 10 * 4)
-        assert summary[("all_gather", "t")] == (1, 10 * 4)
+        assert summary[("reduce_scatter", "t")] == (2, 2 * world_size * 10 * 4)
+        assert summary[("all_gather", "t")] == (2, 2 * 10 * 4)
         assert summary[("all_reduce", "avg")] == (1, world_size * 10 * 4)
 
 

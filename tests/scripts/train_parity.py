@@ -31,6 +31,17 @@ class _RankRecorder(L.Callback):
         self.global_rank = trainer.global_rank
 
 
+class _FailOnPurpose(L.Callback):
+    """Kills one rank mid-training: the others must exit with an error, not hang."""
+
+    def __init__(self, rank: int, step: int) -> None:
+        self.rank, self.step = rank, step
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx) -> None:
+        if trainer.global_rank == self.rank and trainer.global_step == self.step:
+            raise RuntimeError(f"rank {self.rank} fails on purpose at step {self.step}")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--strategy", default="ddp_scratch")
@@ -41,6 +52,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--world-size", type=int, default=None, help="ParityConfig.world_size (default: devices * num-nodes)"
     )
     parser.add_argument("--out", type=Path, required=True, help="where global rank 0 saves the final parameters")
+    parser.add_argument("--fail-rank", type=int, default=None, help="this global rank raises at --fail-step")
+    parser.add_argument("--fail-step", type=int, default=2)
     return parser.parse_args(argv)
 
 
@@ -50,7 +63,10 @@ def main(argv: list[str] | None = None) -> None:
     world_size = args.world_size if args.world_size is not None else args.devices * args.num_nodes
     config = ParityConfig(world_size=world_size, accumulate_grad_batches=args.accumulate_grad_batches)
     recorder = _RankRecorder()
-    params = fit_lightning(config, args.strategy, devices=args.devices, num_nodes=args.num_nodes, callbacks=[recorder])
+    callbacks: list[L.Callback] = [recorder]
+    if args.fail_rank is not None:
+        callbacks.append(_FailOnPurpose(args.fail_rank, args.fail_step))
+    params = fit_lightning(config, args.strategy, devices=args.devices, num_nodes=args.num_nodes, callbacks=callbacks)
     rank = recorder.global_rank
     assert rank is not None, "on_fit_end never ran"
     out = args.out if rank == 0 else args.out.with_name(f"{args.out.name}.rank{rank}")

@@ -288,3 +288,36 @@ def test_single_device_degenerates(dist_env: int, one_thread: None) -> None:
     assert isinstance(strategy.launcher, _SubprocessScriptLauncher)
     assert strategy.launcher.procs == [], "a world of one process started child processes"
     assert_matches_reference(params, config)
+
+
+@pytest.mark.timeout(TEST_TIMEOUT)
+@pytest.mark.parametrize("fail_rank", [0, 1])
+def test_a_dying_rank_makes_the_others_exit_with_its_error(tmp_path, fail_rank):
+    """One rank raises at step 2 under the popen launcher: every process ends (stdout reaches end-of-file only when
+    the launcher's child has exited too), non-zero, fast, and the output names the cause."""
+    cmd = [
+        sys.executable,
+        *_script_args(tmp_path / "params.pt", devices=2, accumulate=1),
+        "--fail-rank",
+        str(fail_rank),
+        "--fail-step",
+        "2",
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO_ROOT,
+        env=_clean_env(MASTER_PORT=str(free_port())),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        output, _ = proc.communicate(timeout=120)  # a hang would run into the 30-minute collective timeout
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the surviving rank hung after rank {fail_rank} died")
+    finally:
+        _stop_session(proc)
+    assert proc.returncode != 0
+    assert f"rank {fail_rank} fails on purpose at step 2" in output
+    assert not (tmp_path / "params.pt").exists()
