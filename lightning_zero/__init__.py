@@ -7,10 +7,11 @@ must happen before ``Trainer(...)``. Hydra configs that name ``_target_: lightni
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_zero.strategies import ScratchDDPStrategy, ScratchParallelStrategy
+from lightning_zero.strategies import ScratchDDPStrategy, ScratchParallelStrategy, ZeroStrategy
 
 __version__ = "0.1.0.dev0"
 
 ScratchDDPStrategy.register_strategies(StrategyRegistry)
+ZeroStrategy.register_strategies(StrategyRegistry)
 
-__all__ = ["ScratchDDPStrategy", "ScratchParallelStrategy", "__version__"]
+__all__ = ["ScratchDDPStrategy", "ScratchParallelStrategy", "ZeroStrategy", "__version__"]

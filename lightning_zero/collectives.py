@@ -204,8 +204,9 @@ def all_gather(
         work = _all_gather_native(output, input, group=group, async_op=async_op)
         return _finish([work], async_op)
     flat = output.view(-1)
-    me = rank(group)
-    flat.narrow(0, me * k, k).copy_(input.view(-1))
+    mine = flat.narrow(0, rank(group) * k, k)
+    if mine.data_ptr() != input.data_ptr():  # ZeRO gathers in place: the input already is this rank's slot
+        mine.copy_(input.view(-1))
     works = []
     for r in range(n):
         src = r if group is None else dist.get_global_rank(group, r)

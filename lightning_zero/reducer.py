@@ -29,9 +29,9 @@ States of one backward pass (``require_backward_grad_sync`` decides which one a 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -39,84 +39,122 @@ import torch
 from torch import Tensor, nn
 
 from lightning_zero import collectives as comm
-from lightning_zero.bucketing import BucketLayout, assign_buckets
+from lightning_zero.bucketing import assign_buckets
 
 
 @dataclass
-class _Bucket:
-    layout: BucketLayout
-    buffer: Tensor
+class GradBucket:
+    """One bucket: its members (indices into the reducer's parameter list) and where each sits in the buffer.
+
+    ``numel`` may exceed the members' total (ZeRO pads the last bucket of a flat group); the extra is zero.
+    ``buffer`` is ``None`` while a transient bucket holds no gradient.
+    """
+
+    indices: tuple[int, ...]
+    offsets: tuple[int, ...]
+    numel: int
+    dtype: torch.dtype
+    device: torch.device
+    buffer: Tensor | None = None
+    views: list[Tensor] = field(default_factory=list)
 
 
 class GradientReducer:
-    """Averages gradients of ``module``'s trainable parameters across ``group`` in buckets, overlapped with backward.
+    """Averages gradients of ``params`` across ``group`` in buckets, overlapped with backward.
+
+    Use :meth:`for_module` for data parallelism; ZeRO builds its own buckets over flat parameter groups.
 
     Args:
-        module: the model; parameters with ``requires_grad=False`` are skipped.
-        bucket_cap_bytes: bucket size cap in bytes.
+        params: trainable parameters, in expected gradient-ready order (reverse registration order).
+        names: a name per parameter, for error messages.
+        buckets: the buckets, in launch order; persistent buckets come with their buffer.
+        transient: if ``True`` a bucket's buffer is allocated when its first gradient arrives and released (with the
+            members' ``.grad``) once reduced and handed to ``on_reduced``; at most ``max_in_flight`` reduced buckets
+            wait to be consumed, so no full-size gradient lives through backward. If ``False`` (data parallelism)
+            buffers live as long as the reducer and ``p.grad`` stays a view of them.
+        on_reduced: called with each bucket once its all-reduce has completed (before a transient release).
+        max_in_flight: transient mode: launched buckets allowed before the oldest is waited on.
         find_unused_parameters: if ``False``, a synchronised backward that leaves a trainable parameter without a
-            gradient raises an error naming it. If ``True``, such parameters are reduced as zeros, and parameters
-            that got no gradient on *any* rank during the accumulation window keep ``p.grad = None`` (so the
-            optimizer skips them, as in single-process training). Costs one extra small all-reduce per step.
+            gradient raises an error naming it. If ``True`` (persistent buckets only), such parameters are reduced
+            as zeros, and parameters that got no gradient on *any* rank during the accumulation window keep
+            ``p.grad = None`` (so the optimizer skips them, as in single-process training). Costs one extra small
+            all-reduce per step.
         group: process group (``None``: the default group).
         tag: ledger tag of the gradient all-reduces.
     """
 
     def __init__(
         self,
-        module: nn.Module,
+        params: Sequence[Tensor],
+        names: Sequence[str],
+        buckets: Sequence[GradBucket],
         *,
-        bucket_cap_bytes: int,
+        transient: bool = False,
+        on_reduced: Callable[[GradBucket], None] | None = None,
+        max_in_flight: int = 2,
         find_unused_parameters: bool = False,
         group: Any = None,
         tag: str = "grads",
     ) -> None:
-        named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
-        named.reverse()  # gradients of the last layers are ready first
-        self._names = [name for name, _ in named]
-        self._params = [p for _, p in named]
+        if find_unused_parameters and transient:
+            raise ValueError("find_unused_parameters=True needs persistent buckets (transient=False)")
+        self._params = list(params)
+        self._names = list(names)
+        self._buckets = list(buckets)
+        self.transient = transient
+        self.on_reduced = on_reduced
+        self.max_in_flight = max_in_flight if transient else len(self._buckets)
         self.find_unused_parameters = find_unused_parameters
         self.group = group
         self.tag = tag
         self.require_backward_grad_sync = True
 
-        layouts = assign_buckets(
-            [p.numel() for p in self._params],
-            [p.element_size() for p in self._params],
-            [(p.dtype, p.device) for p in self._params],
-            bucket_cap_bytes,
-        )
-        self._buckets: list[_Bucket] = []
         self._bucket_of = [0] * len(self._params)
-        self._views: list[Tensor] = [torch.empty(0)] * len(self._params)
-        for b, layout in enumerate(layouts):
-            dtype, device = layout.key
-            buffer = torch.zeros(layout.numel, dtype=dtype, device=device)
-            self._buckets.append(_Bucket(layout, buffer))
-            for i, offset in zip(layout.indices, layout.offsets):
-                p = self._params[i]
-                self._views[i] = buffer.narrow(0, offset, p.numel()).view_as(p)
-                self._bucket_of[i] = b
-                if p.grad is not None:
-                    self._views[i].copy_(p.grad)
-                    p.grad = self._views[i]
-
+        self._slot_of = [0] * len(self._params)
+        for b, bucket in enumerate(self._buckets):
+            for slot, i in enumerate(bucket.indices):
+                self._bucket_of[i], self._slot_of[i] = b, slot
+            if bucket.buffer is not None:
+                self._bind(bucket, bucket.buffer)
         self._hooks = [
             p.register_post_accumulate_grad_hook(partial(self._on_grad_ready, i)) for i, p in enumerate(self._params)
         ]
         self._used = [False] * len(self._params)
         self._reset_pass()
 
+    @classmethod
+    def for_module(cls, module: nn.Module, *, bucket_cap_bytes: int, **kwargs: Any) -> GradientReducer:
+        """Data parallelism: persistent buckets of at most ``bucket_cap_bytes`` over ``module``'s trainable
+        parameters in reverse registration order (roughly the order backward produces their gradients)."""
+        named = [(name, p) for name, p in module.named_parameters() if p.requires_grad][::-1]
+        params = [p for _, p in named]
+        layouts = assign_buckets(
+            [p.numel() for p in params],
+            [p.element_size() for p in params],
+            [(p.dtype, p.device) for p in params],
+            bucket_cap_bytes,
+        )
+        buckets = []
+        for layout in layouts:
+            dtype, device = layout.key
+            buffer = torch.zeros(layout.numel, dtype=dtype, device=device)
+            buckets.append(GradBucket(layout.indices, layout.offsets, layout.numel, dtype, device, buffer))
+        return cls(params, [name for name, _ in named], buckets, **kwargs)
+
     # ------------------------------------------------------------------ public
     @property
     def buffers(self) -> list[Tensor]:
-        """The bucket buffers (the gradient storage), in launch order."""
-        return [b.buffer for b in self._buckets]
+        """The bucket buffers that currently exist (the gradient storage), in launch order."""
+        return [b.buffer for b in self._buckets if b.buffer is not None]
+
+    @property
+    def buckets(self) -> list[GradBucket]:
+        return list(self._buckets)
 
     @property
     def bucket_param_names(self) -> list[list[str]]:
         """Parameter names per bucket, in launch order."""
-        return [[self._names[i] for i in b.layout.indices] for b in self._buckets]
+        return [[self._names[i] for i in b.indices] for b in self._buckets]
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -135,15 +173,32 @@ class GradientReducer:
         self._hooks = []
 
     # ----------------------------------------------------------------- backward
+    def _bind(self, bucket: GradBucket, buffer: Tensor) -> None:
+        bucket.buffer = buffer
+        bucket.views = []
+        for i, offset in zip(bucket.indices, bucket.offsets):
+            p = self._params[i]
+            view = buffer.narrow(0, offset, p.numel()).view_as(p)
+            if p.grad is not None:
+                view.copy_(p.grad)
+                p.grad = view
+            bucket.views.append(view)
+
+    def _view(self, i: int) -> Tensor:
+        bucket = self._buckets[self._bucket_of[i]]
+        if bucket.buffer is None:  # transient: the first gradient of this bucket in this window
+            self._bind(bucket, torch.zeros(bucket.numel, dtype=bucket.dtype, device=bucket.device))
+        return bucket.views[self._slot_of[i]]
+
     def _reset_pass(self) -> None:
-        self._pending = [len(b.layout.indices) for b in self._buckets]
+        self._pending = [len(b.indices) for b in self._buckets]
         self._ready = [False] * len(self._params)
         self._next_launch = 0
-        self._handles: list[comm.Handle | None] = []
+        self._in_flight: list[tuple[GradBucket, comm.Handle | None]] = []
         self._callback_queued = False
 
     def _on_grad_ready(self, i: int, param: Tensor) -> None:
-        view = self._views[i]
+        view = self._view(i)
         if param.grad.data_ptr() != view.data_ptr():
             view.copy_(param.grad)
             param.grad = view
@@ -165,9 +220,23 @@ class GradientReducer:
     def _launch_ready_buckets(self) -> None:
         # [Note: launch order]: never skip ahead of an unlaunched bucket.
         while self._next_launch < len(self._buckets) and self._pending[self._next_launch] == 0:
-            buffer = self._buckets[self._next_launch].buffer
-            self._handles.append(comm.all_reduce(buffer, "avg", group=self.group, async_op=True, tag=self.tag))
+            bucket = self._buckets[self._next_launch]
+            handle = comm.all_reduce(bucket.buffer, "avg", group=self.group, async_op=True, tag=self.tag)
+            self._in_flight.append((bucket, handle))
             self._next_launch += 1
+            self._drain(self.max_in_flight)
+
+    def _drain(self, keep: int) -> None:
+        """Wait for the oldest launched buckets until at most ``keep`` remain; consume (and release) them."""
+        while len(self._in_flight) > keep:
+            bucket, handle = self._in_flight.pop(0)
+            handle.wait()
+            if self.on_reduced is not None:
+                self.on_reduced(bucket)
+            if self.transient:
+                for i in bucket.indices:
+                    self._params[i].grad = None
+                bucket.buffer, bucket.views = None, []
 
     def _finish_pass(self) -> None:
         try:
@@ -186,16 +255,15 @@ class GradientReducer:
                 has_grad = [used or p.grad is not None for used, p in zip(self._used, self._params)]
                 for i in unready:
                     if not has_grad[i]:
-                        self._views[i].zero_()  # the slice holds an earlier window's gradient
+                        self._view(i).zero_()  # the slice holds an earlier window's gradient
                 self._pending = [0] * len(self._buckets)
                 self._launch_ready_buckets()
-                anywhere = torch.tensor(has_grad, dtype=torch.int32, device=self._buckets[0].buffer.device)
+                anywhere = torch.tensor(has_grad, dtype=torch.int32, device=self._buckets[0].device)
                 comm.all_reduce(anywhere, "max", group=self.group, tag="unused_map")
-            for handle in self._handles:
-                handle.wait()
+            self._drain(0)
             if self.find_unused_parameters:
                 for i, p in enumerate(self._params):
-                    p.grad = self._views[i] if anywhere[i] else None
+                    p.grad = self._view(i) if anywhere[i] else None
         finally:
             self._used = [False] * len(self._params)
             self._reset_pass()

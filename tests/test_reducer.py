@@ -46,7 +46,7 @@ def _reducer_worker() -> dict:
     # layers.0.weight is registered first, so its gradient is ready last; this hook runs before the reducer's.
     first = net.layers[0].weight
     first.register_post_accumulate_grad_hook(lambda p: seen_at_last_grad.append(comm.LEDGER.calls(tag="grads")))
-    reducer = GradientReducer(net, bucket_cap_bytes=32 * 33 * 4)  # about one Linear per bucket
+    reducer = GradientReducer.for_module(net, bucket_cap_bytes=32 * 33 * 4)  # about one Linear per bucket
     out["bucket_names"] = reducer.bucket_param_names
     comm.LEDGER.reset()
     try:
@@ -71,7 +71,7 @@ def _reducer_worker() -> dict:
 
     # 3. find_unused_parameters: used only on rank 1 -> averaged with rank 0's zeros; unused everywhere -> None
     net = _Net()
-    reducer = GradientReducer(net, bucket_cap_bytes=1 << 20, find_unused_parameters=True)
+    reducer = GradientReducer.for_module(net, bucket_cap_bytes=1 << 20, find_unused_parameters=True)
     net(_data(rank), use_unused=rank == 1).square().sum().backward()
     out["find_unused_rank1_only"] = _grads(net)
     for p in net.parameters():

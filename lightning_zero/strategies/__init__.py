@@ -2,5 +2,6 @@
 
 from lightning_zero.strategies.base import ScratchParallelStrategy
 from lightning_zero.strategies.ddp import ScratchDDPStrategy
+from lightning_zero.strategies.zero import ZeroStrategy
 
-__all__ = ["ScratchDDPStrategy", "ScratchParallelStrategy"]
+__all__ = ["ScratchDDPStrategy", "ScratchParallelStrategy", "ZeroStrategy"]

@@ -45,6 +45,14 @@ START_METHODS = ("popen", "spawn", "fork", "forkserver")
 BACKENDS = ("gloo", "nccl", "mpi", "ucc")
 
 
+def broadcast_module_states(module: Any, src: int = 0, tag: str = "sync_states", buffers_only: bool = False) -> None:
+    """Make every rank's parameters and buffers equal to rank ``src``'s (tied tensors are sent once)."""
+    tensors = [] if buffers_only else list(module.parameters())
+    tensors += list(module.buffers())
+    for tensor in tensors:
+        comm.broadcast(tensor.data, src, tag=tag)
+
+
 def _reduce_op_name(reduce_op: Any) -> str:
     """Lightning passes ``"mean"``/``"sum"``/... strings or ``torch.distributed.ReduceOp`` members."""
     if reduce_op is None:

@@ -23,17 +23,8 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
-from lightning_zero import collectives as comm
 from lightning_zero.reducer import GradientReducer
-from lightning_zero.strategies.base import ScratchParallelStrategy
-
-
-def broadcast_module_states(module: Any, src: int = 0, tag: str = "sync_states", buffers_only: bool = False) -> None:
-    """Make every rank's parameters and buffers equal to rank ``src``'s (tied tensors are sent once)."""
-    tensors = [] if buffers_only else list(module.parameters())
-    tensors += list(module.buffers())
-    for tensor in tensors:
-        comm.broadcast(tensor.data, src, tag=tag)
+from lightning_zero.strategies.base import ScratchParallelStrategy, broadcast_module_states
 
 
 class ScratchDDPStrategy(ScratchParallelStrategy):
@@ -82,7 +73,7 @@ class ScratchDDPStrategy(ScratchParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             if self._layer_sync:
                 self.model = self._layer_sync.apply(self.model)
-            self._reducer = GradientReducer(
+            self._reducer = GradientReducer.for_module(
                 self.model,
                 bucket_cap_bytes=int(self.bucket_size_mb * 2**20),
                 find_unused_parameters=self.find_unused_parameters,

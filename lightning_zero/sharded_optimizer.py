@@ -1,0 +1,306 @@
+"""ZeRO stages 1 and 2: the user's optimizer rebuilt over this rank's shard, gradients reduced into it.
+
+Runbook::
+
+    engine = ShardedOptimizer(module, optimizer, stage=2, grad_sync="microbatch", bucket_cap_bytes=25 * 2**20)
+    loss.backward()            # buckets reduced while backward runs; this rank's slice lands in the shard's .grad
+    engine.clip_grad_norm_(1.0)  # optional: global norm over all shards (one scalar all-reduce)
+    optimizer.step()           # the user's optimizer object, now stepping the shards only
+    engine.after_step()        # all-gather the updated shards into the full parameters
+
+[Note: tensor roles] (see also [Note: flat layout] in ``lightning_zero/partition.py``)
+- *flat param*: one padded buffer per param group; every module parameter of the group is a view into it, so the
+  all-gather after the step writes the module's parameters directly. 4Ψ bytes (+ padding) on every rank.
+- *shard param*: an ``nn.Parameter`` aliasing this rank's slice of the flat param. The user's optimizer object is
+  rebuilt *in place* (``group["params"] = [shard]``), so LR schedulers and ``trainer.optimizers[0].param_groups``
+  keep working on the same object with the same hyper-parameters; its state (e.g. AdamW's two moments) exists for
+  the shard only: 8Ψ/N bytes.
+- *shard grad*: ``shard.grad``, this rank's slice of the averaged gradient.
+- *gradient buckets*: contiguous ranges of a flat group, filled in reverse registration order and all-reduced
+  (average) from autograd hooks by :class:`~lightning_zero.reducer.GradientReducer` while backward runs.
+
+Gradient storage, by ``stage`` and ``grad_sync``:
+- stage 1, ``"boundary"`` (stage 1's default): a persistent full flat gradient per group (4Ψ); ``p.grad`` is a view of
+  it, micro-batches accumulate locally without communication, and one reduction per optimizer step leaves every
+  rank with the full averaged gradient, of which ``shard.grad`` is a view. Stage 1 memory: 4Ψ + 4Ψ + 8Ψ/N.
+- ``"microbatch"`` (stage 2's default; also valid for stage 1): every micro-batch reduces its buckets; each bucket is
+  allocated when its first gradient arrives, its owned slice is added to a persistent shard accumulator (4Ψ/N)
+  and it is freed at once (at most ``max_in_flight`` reduced buckets wait), so no full gradient survives between
+  micro-batches. Stage 2 memory: 4Ψ + 4Ψ/N + 8Ψ/N.
+- stage 2, ``"boundary"``: micro-batches accumulate into transient bucket buffers (full local gradients, no
+  communication) that are reduced into the shard accumulator and freed at the boundary, before the step.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from lightning_zero import collectives as comm
+from lightning_zero.bucketing import assign_buckets
+from lightning_zero.partition import FlatLayout, flat_layout
+from lightning_zero.reducer import GradBucket, GradientReducer
+
+GRAD_SYNC_MODES = ("boundary", "microbatch")
+
+
+class _FlatGroup:
+    """One optimizer param group flattened: its layout, flat param, shard param and gradient storage."""
+
+    def __init__(self, index: int, params: list[Tensor], names: list[str], world_size: int, rank: int) -> None:
+        dtypes = {(p.dtype, p.device) for p in params}
+        if len(dtypes) > 1:
+            raise ValueError(
+                f"param group {index} mixes dtypes/devices {sorted(map(str, dtypes))}: ZeRO flattens a group into one"
+                " buffer, so split the group by dtype"
+            )
+        self.index = index
+        self.params = params
+        self.names = names
+        self.layout: FlatLayout = flat_layout([p.numel() for p in params], world_size)
+        dtype, device = params[0].dtype, params[0].device
+        self.flat = torch.zeros(self.layout.padded_numel, dtype=dtype, device=device)
+        for p, offset in zip(params, self.layout.offsets):
+            view = self.flat.narrow(0, offset, p.numel())
+            view.copy_(p.detach().reshape(-1))
+            p.data = view.view_as(p)
+        self.start, self.end = self.layout.shard_range(rank)
+        self.shard = nn.Parameter(self.flat.narrow(0, self.start, self.end - self.start))
+        self.original_params: list[Tensor] = params
+        self.flat_grad: Tensor | None = None  # persistent full gradient (stage 1, boundary)
+        self.shard_grad: Tensor | None = None  # persistent shard accumulator (transient buckets)
+
+
+class ShardedOptimizer:
+    """ZeRO-1/2 over ``module`` and the user's ``optimizer`` (rebuilt in place over this rank's shards).
+
+    Args:
+        module: the model; every trainable parameter must be in some param group of ``optimizer``.
+        optimizer: any ``torch.optim`` optimizer, with no state yet.
+        stage: 1 or 2; sets the default of ``grad_sync``.
+        grad_sync: ``"boundary"`` or ``"microbatch"`` (see the module docstring); ``None``: ``"boundary"`` for
+            stage 1, ``"microbatch"`` for stage 2.
+        bucket_cap_bytes: gradient bucket cap in bytes.
+        group: process group (``None``: the default group).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        stage: int,
+        grad_sync: str | None = None,
+        bucket_cap_bytes: int,
+        group: object = None,
+    ) -> None:
+        if stage not in (1, 2):
+            raise ValueError(f"stage={stage!r} is invalid for ShardedOptimizer: expected 1 or 2")
+        grad_sync = grad_sync or ("boundary" if stage == 1 else "microbatch")
+        if grad_sync not in GRAD_SYNC_MODES:
+            raise ValueError(f"grad_sync={grad_sync!r} is invalid: expected one of {GRAD_SYNC_MODES}")
+        if optimizer.state:
+            raise ValueError("the optimizer already has state: ZeRO must shard it before the first step")
+        self.stage, self.grad_sync, self.group, self.optimizer = stage, grad_sync, group, optimizer
+        self.world_size, self.rank = comm.world_size(group), comm.rank(group)
+        self.persistent = stage == 1 and grad_sync == "boundary"
+
+        order = {id(p): i for i, p in enumerate(module.parameters())}
+        names = {id(p): name for name, p in module.named_parameters()}
+        seen: set[int] = set()
+        self.groups: list[_FlatGroup] = []
+        for index, param_group in enumerate(optimizer.param_groups):
+            unknown = [p for p in param_group["params"] if id(p) not in order]
+            if unknown:
+                raise ValueError(f"param group {index} holds {len(unknown)} tensor(s) that are not module parameters")
+            # Registration order, so that reverse-order buckets are contiguous ranges of the flat buffer.
+            params = sorted((p for p in param_group["params"] if p.requires_grad), key=lambda p: order[id(p)])
+            seen.update(id(p) for p in params)
+            flat_group = _FlatGroup(index, params, [names[id(p)] for p in params], self.world_size, self.rank)
+            flat_group.original_params = list(param_group["params"])  # numbering of the full state dict
+            param_group["params"] = [flat_group.shard]
+            self.groups.append(flat_group)
+        missing = [name for name, p in module.named_parameters() if p.requires_grad and id(p) not in seen]
+        if missing:
+            raise ValueError(
+                f"trainable parameters {missing} are in no optimizer param group: ZeRO shards the optimizer, so add"
+                " them to a group or freeze them (requires_grad=False)"
+            )
+        self.reducer = self._build_reducer(module, bucket_cap_bytes)
+
+    def _build_reducer(self, module: nn.Module, bucket_cap_bytes: int) -> GradientReducer:
+        # Every trainable parameter in reverse registration order, tagged with its group and flat offset.
+        entries = []
+        where = {id(p): (g, offset) for g in self.groups for p, offset in zip(g.params, g.layout.offsets)}
+        for name, p in reversed(list(module.named_parameters())):
+            if id(p) in where:
+                entries.append((name, p, *where[id(p)]))
+        layouts = assign_buckets(
+            [p.numel() for _, p, _, _ in entries],
+            [p.element_size() for _, p, _, _ in entries],
+            [g.index for _, _, g, _ in entries],
+            bucket_cap_bytes,
+        )
+        buckets, self._bucket_range = [], {}
+        for layout in layouts:
+            g = self.groups[layout.key]
+            members = [entries[i] for i in layout.indices]
+            lo = min(offset for *_, offset in members)
+            hi = max(offset + p.numel() for _, p, _, offset in members)
+            if hi == g.layout.numel:
+                hi = g.layout.padded_numel  # the bucket holding the group's end carries the padding
+            offsets = tuple(offset - lo for *_, offset in members)
+            bucket = GradBucket(layout.indices, offsets, hi - lo, g.flat.dtype, g.flat.device)
+            if self.persistent:
+                if g.flat_grad is None:
+                    g.flat_grad = torch.zeros_like(g.flat)
+                bucket.buffer = g.flat_grad.narrow(0, lo, hi - lo)
+            self._bucket_range[id(bucket)] = (g, lo, hi)
+            buckets.append(bucket)
+        if not self.persistent:
+            for g in self.groups:
+                g.shard_grad = torch.zeros_like(g.shard)
+        return GradientReducer(
+            [p for _, p, _, _ in entries],
+            [name for name, *_ in entries],
+            buckets,
+            transient=not self.persistent,
+            on_reduced=self._on_bucket_reduced,
+            group=self.group,
+        )
+
+    def _on_bucket_reduced(self, bucket: GradBucket) -> None:
+        g, lo, hi = self._bucket_range[id(bucket)]
+        if self.persistent:
+            g.shard.grad = g.flat_grad.narrow(0, g.start, g.end - g.start)
+            return
+        owned_lo, owned_hi = g.layout.owned(self.rank, lo, hi)
+        if g.shard.grad is None:  # first reduction of this accumulation window
+            g.shard_grad.zero_()
+            g.shard.grad = g.shard_grad
+        if owned_lo < owned_hi:
+            g.shard.grad.narrow(0, owned_lo - g.start, owned_hi - owned_lo).add_(
+                bucket.buffer.narrow(0, owned_lo - lo, owned_hi - owned_lo)
+            )
+
+    # ---------------------------------------------------------------- public
+    @property
+    def shard_params(self) -> list[nn.Parameter]:
+        return [g.shard for g in self.groups]
+
+    @property
+    def strategy_buffers(self) -> list[Tensor]:
+        """Persistent tensors the engine owns beyond params, grads and optimizer state (flat buffers included)."""
+        persistent = [g.flat for g in self.groups]
+        persistent += [t for g in self.groups for t in (g.flat_grad, g.shard_grad) if t is not None]
+        return persistent + self.reducer.buffers
+
+    def clip_grad_norm_(self, max_norm: float) -> Tensor:
+        """Scale the shard gradients so the *global* gradient norm is at most ``max_norm``; return that norm.
+
+        Same formula as ``torch.nn.utils.clip_grad_norm_``; shards are disjoint and padding is zero, so the sum of
+        per-rank squared norms is the squared norm of the whole gradient.
+        """
+        grads = [g.shard.grad for g in self.groups if g.shard.grad is not None]
+        device = self.groups[0].flat.device
+        squared = torch.zeros((), dtype=torch.float32, device=device)
+        for grad in grads:
+            squared += grad.detach().float().pow(2).sum()
+        comm.all_reduce(squared, "sum", group=self.group, tag="clip_norm")
+        total = squared.sqrt()
+        coef = max_norm / (total.item() + 1e-6)
+        if coef < 1.0 and math.isfinite(coef):
+            for grad in grads:
+                grad.mul_(coef)
+        return total
+
+    def after_step(self) -> None:
+        """All-gather the updated shards into the full parameters; drop full local gradients (stage 1)."""
+        for g in self.groups:
+            comm.all_gather(g.flat, g.shard.detach(), group=self.group, tag="params")
+        if self.persistent:
+            for g in self.groups:
+                for p in g.params:
+                    p.grad = None
+
+    def remove(self) -> None:
+        self.reducer.remove()
+
+    # --------------------------------------------------------- full state dict
+    # [Note: full optimizer state] The format of the *unsharded* optimizer: ``{"state": {i: {key: tensor shaped like
+    # param i}}, "param_groups": [{..., "params": [i, ...]}]}`` numbered as the user's original param groups, so it
+    # loads into a plain optimizer built by the same ``configure_optimizers`` and reshards to any world size.
+
+    def _numbering(self) -> list[list[int]]:
+        numbers, next_number = [], 0
+        for g in self.groups:
+            numbers.append(list(range(next_number, next_number + len(g.original_params))))
+            next_number += len(g.original_params)
+        return numbers
+
+    def full_state_dict(self) -> dict:
+        """Gather the optimizer state of every shard (collective: call on every rank)."""
+        sharded = self.optimizer.state_dict()
+        state: dict[int, dict] = {}
+        groups = []
+        for g, numbers, saved_group in zip(self.groups, self._numbering(), sharded["param_groups"]):
+            groups.append({**saved_group, "params": numbers})
+            shard_state = self.optimizer.state.get(g.shard, {})
+            scalars: dict[str, object] = {}  # e.g. Adam's step: equal on every rank
+            gathered: dict[str, Tensor] = {}  # per-element state (moments), gathered into a full flat buffer
+            for key, value in shard_state.items():
+                if isinstance(value, Tensor) and value.shape == g.shard.shape:
+                    gathered[key] = torch.empty(g.layout.padded_numel, dtype=value.dtype, device=value.device)
+                    comm.all_gather(gathered[key], value.detach(), group=self.group, tag="state_dict")
+                else:
+                    scalars[key] = value
+            if not shard_state:
+                continue
+            offset_of = {id(p): offset for p, offset in zip(g.params, g.layout.offsets)}
+            for number, p in zip(numbers, g.original_params):
+                if id(p) in offset_of:
+                    per_param = {
+                        k: v.narrow(0, offset_of[id(p)], p.numel()).view_as(p).clone() for k, v in gathered.items()
+                    }
+                    state[number] = {**scalars, **per_param}
+        return {"state": state, "param_groups": groups}
+
+    def load_full_state_dict(self, state_dict: dict) -> None:
+        """Load a :meth:`full_state_dict` (from any world size) into this rank's shards."""
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.groups):
+            raise ValueError(
+                f"optimizer state has {len(saved_groups)} param groups: expected {len(self.groups)} as in the model"
+            )
+        sharded_state: dict[int, dict] = {}
+        for index, (g, saved_group) in enumerate(zip(self.groups, saved_groups)):
+            if len(saved_group["params"]) != len(g.original_params):
+                raise ValueError(
+                    f"optimizer state param group {index} has {len(saved_group['params'])} parameters: expected"
+                    f" {len(g.original_params)}"
+                )
+            number_of = {id(p): n for n, p in zip(saved_group["params"], g.original_params)}
+            states = [state_dict["state"].get(number_of[id(p)], {}) for p in g.params]
+            if not any(states):
+                continue
+            shard_state: dict[str, Tensor] = {}
+            for key, first in states[0].items():
+                if not (isinstance(first, Tensor) and first.shape == g.params[0].shape and first.ndim > 0):
+                    shard_state[key] = first
+                    continue
+                flat = torch.zeros(g.layout.padded_numel, dtype=first.dtype, device=g.flat.device)
+                for p, offset, state, name in zip(g.params, g.layout.offsets, states, g.names):
+                    value = state[key]
+                    if value.shape != p.shape:
+                        raise ValueError(
+                            f"optimizer state {key!r} of {name!r} has shape {tuple(value.shape)}:"
+                            f" expected {tuple(p.shape)}"
+                        )
+                    flat.narrow(0, offset, p.numel()).copy_(value.reshape(-1))
+                shard_state[key] = flat.narrow(0, g.start, g.end - g.start).clone()
+            sharded_state[index] = shard_state
+        self.optimizer.load_state_dict(
+            {"state": sharded_state, "param_groups": [{**s, "params": [i]} for i, s in enumerate(saved_groups)]}
+        )
