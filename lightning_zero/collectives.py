@@ -3,8 +3,9 @@
 It has two jobs.
 
 1. **The communication ledger.** Each call is recorded in :data:`LEDGER` as ``(op, tag, bytes)``, where ``bytes``
-   is the size of the *input* this rank contributes (an all-reduce of a 100 MiB bucket records 100 MiB whatever the
-   algorithm puts on the wire). Tests and benchmarks read it to prove, for example, that a non-boundary
+   is the size of the *input* this rank contributes, except for all-gathers, which record the gathered *output*
+   (an all-reduce of a 100 MiB bucket records 100 MiB whatever the algorithm puts on the wire; gathering a 100 MiB
+   parameter from N shards records 100 MiB). Tests and benchmarks read it to prove, for example, that a non-boundary
    micro-batch communicates nothing. Tags name the purpose (``"grads"``, ``"sync_states"``, ``"log"``...).
 
 2. **Primitive choice per backend.** [Note: gloo substitutes] On gloo (torch 2.13) ``reduce_scatter`` is a clone
@@ -199,7 +200,7 @@ def all_gather(
     k = input.numel()
     if output.numel() != k * n:
         raise ValueError(f"all_gather output has {output.numel()} elements: expected world_size={n} x input {k}")
-    LEDGER.record("all_gather", tag, _nbytes(input))
+    LEDGER.record("all_gather", tag, _nbytes(output))
     if not uses_gloo_substitutes(_nbytes(output), group):
         work = _all_gather_native(output, input, group=group, async_op=async_op)
         return _finish([work], async_op)
@@ -219,7 +220,7 @@ def all_gather_stack(tensor: Tensor, *, group: Any = None, sync_grads: bool = Fa
 
     With ``sync_grads=True`` the result is differentiable (gradients flow back to each rank's input).
     """
-    LEDGER.record("all_gather", tag, _nbytes(tensor))
+    LEDGER.record("all_gather", tag, _nbytes(tensor) * world_size(group))
     if sync_grads:
         from torch.distributed.nn.functional import all_gather as differentiable_all_gather
 

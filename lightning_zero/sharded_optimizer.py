@@ -254,8 +254,8 @@ class ShardedOptimizer:
                 if isinstance(value, Tensor) and value.shape == g.shard.shape:
                     gathered[key] = torch.empty(g.layout.padded_numel, dtype=value.dtype, device=value.device)
                     comm.all_gather(gathered[key], value.detach(), group=self.group, tag="state_dict")
-                else:
-                    scalars[key] = value
+                else:  # a copy: optimizers update e.g. ``step`` in place
+                    scalars[key] = value.clone() if isinstance(value, Tensor) else value
             if not shard_state:
                 continue
             offset_of = {id(p): offset for p, offset in zip(g.params, g.layout.offsets)}

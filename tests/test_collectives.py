@@ -64,7 +64,7 @@ def test_gloo_substitutes_equal_native_ops_and_ledger_counts_inputs(world_size):
         assert r["obj"] == {"from": 0}
         summary = r["summary"]
         assert summary[("reduce_scatter", "t")] == (2, 2 * world_size * 10 * 4)
-        assert summary[("all_gather", "t")] == (2, 2 * 10 * 4)
+        assert summary[("all_gather", "t")] == (2, 2 * world_size * 10 * 4)  # gathered (output) bytes
         assert summary[("all_reduce", "avg")] == (1, world_size * 10 * 4)
 
 

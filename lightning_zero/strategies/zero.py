@@ -13,7 +13,8 @@ Lightning sets it up, so schedulers keep driving it. Norm clipping (``gradient_c
 
 Checkpoints: ``trainer.save_checkpoint`` writes one plain file (``state_dict_type="full"``): full model weights and
 the optimizer state gathered into the format of the unsharded optimizer, so it loads with plain ``torch.load`` or
-``LightningModule.load_from_checkpoint`` and resumes at any world size.
+``LightningModule.load_from_checkpoint`` and resumes at any world size. Gathering is collective: call
+``trainer.save_checkpoint`` on every rank (as Lightning's ``ModelCheckpoint`` does), also after ``fit``.
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ class ZeroStrategy(ScratchParallelStrategy):
 
     @property
     def engine(self) -> ShardedOptimizer | None:
-        """The ZeRO engine while fitting, else ``None``."""
+        """The ZeRO engine of the current (or last) fit, else ``None``."""
         return self._engine
 
     @override
@@ -143,9 +144,10 @@ class ZeroStrategy(ScratchParallelStrategy):
 
     @override
     def teardown(self) -> None:
+        # The engine (without its hooks) outlives the fit: the optimizer stays sharded, and a
+        # ``trainer.save_checkpoint`` after ``fit`` must still gather the full optimizer state.
         if self._engine is not None:
             self._engine.remove()
-            self._engine = None
             self.precision_plugin.__dict__.pop("clip_grad_by_norm", None)
         super().teardown()
 

@@ -1,0 +1,300 @@
+"""``zero1_scratch`` / ``zero2_scratch`` on real gloo processes: parity, memory floors, communication, checkpoints.
+
+One set of worker processes per world size runs every fit the parity, memory and ledger tests need; the tests then
+assert on the parts. N=3 exercises padding (the parity net's groups do not divide by 3).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch import Callback
+from torch import nn
+
+from lightning_zero import ZeroStrategy
+from lightning_zero.collectives import LEDGER
+from lightning_zero.memory import model_state_bytes
+from tests.helpers.parity import (
+    ParityConfig,
+    ParityModule,
+    fit_lightning,
+    make_trainer,
+    max_abs_diff,
+    reference_params,
+    train_loader,
+)
+from tests.helpers.workers import run_workers
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+TOLERANCE = 1e-5
+SMALL_BUCKET_MB = 1024 / 2**20  # 1 KiB: several buckets even on the small parity net
+
+# (stage, grad_sync, accumulate_grad_batches, optimizer): every stage x mode x g with AdamW + norm clipping, and
+# SGD without clipping, which (unlike AdamW) notices a gradient off by a constant factor.
+VARIANTS = [(stage, sync, g, "adamw") for stage in (1, 2) for sync in ("boundary", "microbatch") for g in (1, 3)] + [
+    (1, "boundary", 3, "sgd"),
+    (2, "microbatch", 3, "sgd"),
+]
+
+
+def _config(world_size: int, variant) -> ParityConfig:
+    _, _, g, optimizer = variant
+    if optimizer == "sgd":
+        return ParityConfig(world_size, g, optimizer="sgd", gradient_clip_val=None, lr=0.05)
+    return ParityConfig(world_size, g)
+
+
+def _strategy(variant, **kwargs) -> ZeroStrategy:
+    stage, sync, _, _ = variant
+    return ZeroStrategy(stage=stage, grad_sync=sync, bucket_size_mb=SMALL_BUCKET_MB, **kwargs)
+
+
+class _WideModule(ParityModule):
+    """A wider net for the memory floors: padding and AdamW's scalar step counters are < 0.1% of its state."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(6, 96), nn.LayerNorm(96), nn.Tanh(), nn.Linear(96, 96), nn.Linear(96, 3))
+
+
+class _Probe(Callback):
+    """Memory at the end of fit (between steps) and the ledger of every training batch."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[tuple[str, str, int]]] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._start = len(LEDGER.records)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.batches.append(list(LEDGER.records[self._start :]))
+
+    def on_train_end(self, trainer, pl_module):
+        engine = trainer.strategy.engine
+        params = list(pl_module.parameters()) + engine.shard_params
+        self.memory = model_state_bytes(params, trainer.optimizers, engine.strategy_buffers)
+        self.psi = sum(p.numel() for p in pl_module.parameters() if p.requires_grad)
+        self.padded = sum(g.layout.padded_numel for g in engine.groups)
+        self.state_numel = sum(
+            v.numel() for s in trainer.optimizers[0].state.values() for v in s.values() if v.ndim > 0
+        )
+
+
+def _fit_probe(world_size: int, stage: int, grad_sync: str, g: int, module: ParityModule) -> dict:
+    config = ParityConfig(world_size=world_size, accumulate_grad_batches=g, max_epochs=1)
+    probe = _Probe()
+    strategy = ZeroStrategy(stage=stage, grad_sync=grad_sync, bucket_size_mb=SMALL_BUCKET_MB)
+    make_trainer(config, strategy, callbacks=[probe]).fit(module, train_loader(config))
+    return vars(probe)
+
+
+def _all_fits(world_size: int) -> dict:
+    out = {}
+    for variant in VARIANTS:
+        out[variant] = fit_lightning(_config(world_size, variant), _strategy(variant))
+    for stage in (1, 2):
+        out[("memory", stage)] = _fit_probe(world_size, stage, None, 1, _WideModule())
+        for sync in ("boundary", "microbatch"):
+            out[("ledger", stage, sync)] = _fit_probe(world_size, stage, sync, 3, ParityModule())
+    return out
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=lambda n: f"N{n}")
+def fits(request):
+    world_size = request.param
+    return world_size, run_workers(_all_fits, world_size, world_size, timeout=500)
+
+
+@pytest.mark.timeout(700)
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: f"stage{v[0]}-{v[1]}-g{v[2]}-{v[3]}")
+def test_parity_with_single_process_reference(fits, variant):
+    world_size, per_rank = fits
+    ours = per_rank[0][variant]
+    assert max_abs_diff(ours, reference_params(_config(world_size, variant))) <= TOLERANCE
+    for rank_result in per_rank[1:]:
+        assert max_abs_diff(rank_result[variant], ours) == 0.0
+    assert max_abs_diff(ours, dict(ParityModule().net.state_dict())) > 1e3 * TOLERANCE
+
+
+@pytest.mark.timeout(700)
+@pytest.mark.parametrize("stage", [1, 2])
+def test_model_state_bytes_at_the_floor(fits, stage):
+    world_size, per_rank = fits
+    for rank_result in per_rank:
+        probe = rank_result[("memory", stage)]
+        psi, memory = probe["psi"], probe["memory"]
+        expected_grads = 4 * psi if stage == 1 else 4 * psi / world_size
+        assert memory.params == pytest.approx(4 * psi, rel=0.01)
+        assert memory.grads == pytest.approx(expected_grads, rel=0.01)
+        assert memory.optimizer == pytest.approx(8 * psi / world_size, rel=0.01)
+        floor = 4 * psi + expected_grads + 8 * psi / world_size
+        assert memory.total == pytest.approx(floor, rel=0.01)
+        assert memory.strategy_buffers <= 2 * 1024  # persistent extras: at most two buckets (here none)
+    # AdamW's two moments per shard element: every rank holds the same count, the padded shard size
+    counts = {r[("memory", stage)]["state_numel"] for r in per_rank}
+    assert counts == {2 * per_rank[0][("memory", stage)]["padded"] // world_size}
+
+
+@pytest.mark.timeout(700)
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("grad_sync", ["boundary", "microbatch"])
+def test_communication_per_optimizer_step(fits, stage, grad_sync):
+    _, per_rank = fits
+    g = 3
+    for rank_result in per_rank:
+        probe = rank_result[("ledger", stage, grad_sync)]
+        padded_bytes = 4 * probe["padded"]
+        batches = probe["batches"]
+        for batch_idx, records in enumerate(batches):
+            boundary = (batch_idx + 1) % g == 0 or batch_idx + 1 == len(batches)
+            grads = sum(b for op, tag, b in records if tag == "grads" and op == "all_reduce")
+            params = sum(b for op, tag, b in records if tag == "params" and op == "all_gather")
+            if grad_sync == "boundary":
+                assert grads == (padded_bytes if boundary else 0)
+            else:
+                assert grads == padded_bytes  # every micro-batch reduces into the shard
+            assert params == (padded_bytes if boundary else 0)
+            assert 0 <= padded_bytes - 4 * probe["psi"] < 4 * 2 * len(per_rank)  # 4Ψ up to padding per group
+
+
+# ----------------------------------------------------------------------------------------------- checkpoints
+def _fit_and_save(world_size: int, stage: int, ckpt: str, epochs: int) -> dict:
+    config = ParityConfig(world_size=world_size, batches_per_rank=3, max_epochs=epochs)
+    module = ParityModule(config.lr)
+    trainer = make_trainer(config, ZeroStrategy(stage=stage))
+    trainer.fit(module, train_loader(config))
+    if ckpt:
+        trainer.save_checkpoint(ckpt)
+    return {k: v.detach().clone() for k, v in module.net.state_dict().items()}
+
+
+class _CaptureOptimizerState(Callback):
+    def on_train_start(self, trainer, pl_module):
+        self.state = trainer.strategy.engine.full_state_dict()
+
+
+def _resume(world_size: int, stage: int, ckpt: str) -> dict:
+    config = ParityConfig(world_size=world_size, batches_per_rank=3, max_epochs=2)
+    module = ParityModule(config.lr)
+    capture = _CaptureOptimizerState()
+    trainer = make_trainer(config, ZeroStrategy(stage=stage), callbacks=[capture])
+    trainer.fit(module, train_loader(config), ckpt_path=ckpt)
+    assert trainer.global_step == 6
+    return {"params": {k: v.detach().clone() for k, v in module.net.state_dict().items()}, "state": capture.state}
+
+
+def _straight_save_resume(stage: int, ckpt: str) -> dict:
+    straight = _fit_and_save(2, stage, "", epochs=2)
+    _fit_and_save(2, stage, ckpt, epochs=1)
+    resumed = _resume(2, stage, ckpt)
+    return {"straight": straight, "resumed": resumed}
+
+
+def _assert_state_equal(a: dict, b: dict) -> None:
+    assert a["param_groups"] == b["param_groups"]
+    assert a["state"].keys() == b["state"].keys()
+    for index, state in a["state"].items():
+        for key, value in state.items():
+            assert torch.equal(value, b["state"][index][key]), (index, key)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("stage", [1, 2])
+def test_resume_is_bit_identical_and_reshards_to_another_world_size(tmp_path, stage):
+    ckpt = str(tmp_path / "epoch1.ckpt")
+    result = run_workers(_straight_save_resume, 2, stage, ckpt, timeout=300)[0]
+    assert max_abs_diff(result["straight"], result["resumed"]["params"]) == 0.0
+    saved = torch.load(ckpt, weights_only=False)
+    _assert_state_equal(result["resumed"]["state"], saved["optimizer_states"][0])
+    # N=2 -> N=3: every rank of the new world restores the same full optimizer state, then trains on
+    resharded = run_workers(_resume, 3, 3, stage, ckpt, timeout=300)
+    for rank_result in resharded:
+        _assert_state_equal(rank_result["state"], saved["optimizer_states"][0])
+        assert all(torch.isfinite(v).all() for v in rank_result["params"].values())
+
+
+@pytest.mark.timeout(300)
+def test_full_checkpoint_loads_into_plain_pytorch_without_lightning_zero(tmp_path):
+    ckpt = tmp_path / "plain.ckpt"
+    run_workers(_fit_and_save, 2, 2, 2, str(ckpt), 1, timeout=200)
+    code = textwrap.dedent(
+        f"""
+        import sys, torch
+        from tests.helpers.parity import ParityModule
+        module = ParityModule.load_from_checkpoint({str(ckpt)!r})
+        optimizer = module.configure_optimizers()["optimizer"]
+        optimizer.load_state_dict(torch.load({str(ckpt)!r}, weights_only=False)["optimizer_states"][0])
+        shapes = [tuple(s["exp_avg"].shape) for s in optimizer.state.values()]
+        assert shapes == [tuple(p.shape) for g in optimizer.param_groups for p in g["params"]], shapes
+        assert "lightning_zero" not in sys.modules
+        print("loaded", len(shapes))
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["loaded", str(len(list(ParityModule().parameters())))]
+
+
+# ----------------------------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"stage": 4}, "stage=4 is invalid: expected 1, 2 or 3"),
+        ({"stage": 0}, "stage=0 is invalid: expected 1, 2 or 3"),
+        ({"grad_sync": "sometimes"}, "grad_sync='sometimes' is invalid: expected one of"),
+        ({"bucket_size_mb": 0}, "bucket_size_mb=0 is invalid"),
+        ({"state_dict_type": "zip"}, "state_dict_type='zip' is invalid"),
+    ],
+)
+def test_bad_settings_raise_one_clear_value_error(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ZeroStrategy(**kwargs)
+
+
+class _TwoOptimizers(ParityModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False  # Lightning itself needs this for two optimizers
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.manual_backward(loss)
+        for optimizer in self.optimizers():
+            optimizer.step()
+            optimizer.zero_grad()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.net[0].parameters(), lr=0.1), torch.optim.SGD(self.net[3].parameters(), lr=0.1)
+
+
+class _WiderFirstLayer(ParityModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net[0] = nn.Linear(6, 17)
+
+
+def _bad_fit(case: str, ckpt: str) -> str:
+    config = ParityConfig(world_size=1, batches_per_rank=2, max_epochs=1, gradient_clip_val=None)
+    module = {"two_optimizers": _TwoOptimizers, "shape": _WiderFirstLayer}[case]()
+    try:
+        make_trainer(config, ZeroStrategy(stage=2)).fit(module, train_loader(config), ckpt_path=ckpt or None)
+    except Exception as error:  # the message is what the test checks
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+@pytest.mark.timeout(200)
+def test_multiple_optimizers_and_mismatched_checkpoints_fail_clearly(tmp_path):
+    ckpt = str(tmp_path / "one.ckpt")
+    run_workers(_fit_and_save, 1, 1, 2, ckpt, 1, timeout=150)
+    two, shape = (run_workers(_bad_fit, 1, case, path)[0] for case, path in [("two_optimizers", ""), ("shape", ckpt)])
+    assert "ZeRO shards one optimizer: configure_optimizers returned 2" in two
+    assert "net.0.weight" in shape and "size mismatch" in shape
