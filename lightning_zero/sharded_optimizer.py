@@ -36,7 +36,11 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 
 from lightning_zero import collectives as comm
 from lightning_zero.bucketing import assign_buckets
@@ -227,6 +231,69 @@ class ShardedOptimizer:
 
     def remove(self) -> None:
         self.reducer.remove()
+
+    # ------------------------------------------------------ sharded state dict
+    # [Note: sharded optimizer state] Per group, each per-element state (AdamW's moments, SGD's momentum) is one
+    # DTensor over the *unpadded* flat group, sharded on dim 0 exactly as the flat layout is (torch.chunk sizes:
+    # ceil(numel / N) per rank). Scalars (e.g. ``step``) are plain replicated tensors. DCP saves each rank's chunk
+    # and, on load, reads the chunks overlapping the new owner's range: resharding to any world size.
+
+    def _to_dtensor(self, g: _FlatGroup, shard_tensor: Tensor) -> DTensor:
+        mesh = DeviceMesh.from_group(self.group or dist.group.WORLD, g.flat.device.type)
+        real = max(0, min(g.end, g.layout.numel) - g.start)  # padding is not part of the saved tensor
+        local = shard_tensor.narrow(0, 0, real)
+        return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=(g.layout.numel,), stride=(1,))
+
+    def sharded_state_dict(self) -> dict:
+        """``{"state": {"group<i>": {key: DTensor | scalar}}, "param_groups": [hyper-parameters]}``."""
+        state = {}
+        for g in self.groups:
+            entry = {}
+            for key, value in self.optimizer.state.get(g.shard, {}).items():
+                elementwise = isinstance(value, Tensor) and value.shape == g.shard.shape
+                entry[key] = self._to_dtensor(g, value.detach()) if elementwise else value
+            state[f"group{g.index}"] = entry
+        groups = [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
+        return {"state": state, "param_groups": groups}
+
+    def sharded_template(self, metadata: Metadata, prefix: str) -> dict:
+        """Tensors for DCP to load ``prefix``'s optimizer state into, shaped from the checkpoint's index."""
+        state: dict[str, dict] = {}
+        for fqn, item in metadata.state_dict_metadata.items():
+            if not fqn.startswith(f"{prefix}.state.group"):
+                continue
+            group_key, key = fqn[len(f"{prefix}.state.") :].split(".", 1)
+            g = self.groups[int(group_key.removeprefix("group"))]
+            entry = state.setdefault(group_key, {})
+            if not isinstance(item, TensorStorageMetadata):
+                entry[key] = None
+            elif tuple(item.size) == (g.layout.numel,):
+                entry[key] = self._to_dtensor(g, torch.zeros_like(g.shard, dtype=item.properties.dtype))
+            else:
+                entry[key] = torch.empty(item.size, dtype=item.properties.dtype, device=g.flat.device)
+        return {"state": state}
+
+    def load_sharded_state_dict(self, loaded: dict, param_groups: list[dict]) -> None:
+        """Load what DCP filled into :meth:`sharded_template`, with the saved hyper-parameters."""
+        if len(param_groups) != len(self.groups):
+            raise ValueError(
+                f"optimizer state has {len(param_groups)} param groups: expected {len(self.groups)} as in the model"
+            )
+        sharded_state = {}
+        for g in self.groups:
+            entry = {}
+            for key, value in loaded["state"].get(f"group{g.index}", {}).items():
+                if isinstance(value, DTensor):
+                    shard = torch.zeros_like(g.shard, dtype=value.dtype)
+                    local = value.to_local()
+                    shard.narrow(0, 0, local.numel()).copy_(local)
+                    value = shard
+                entry[key] = value
+            if entry:
+                sharded_state[g.index] = entry
+        self.optimizer.load_state_dict(
+            {"state": sharded_state, "param_groups": [{**hp, "params": [i]} for i, hp in enumerate(param_groups)]}
+        )
 
     # --------------------------------------------------------- full state dict
     # [Note: full optimizer state] The format of the *unsharded* optimizer: ``{"state": {i: {key: tensor shaped like

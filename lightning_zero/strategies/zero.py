@@ -11,10 +11,13 @@ not wrapped; the optimizer returned by ``configure_optimizers`` is rebuilt in pl
 Lightning sets it up, so schedulers keep driving it. Norm clipping (``gradient_clip_val`` with the default
 ``gradient_clip_algorithm="norm"``) uses the global norm across shards.
 
-Checkpoints: ``trainer.save_checkpoint`` writes one plain file (``state_dict_type="full"``): full model weights and
-the optimizer state gathered into the format of the unsharded optimizer, so it loads with plain ``torch.load`` or
-``LightningModule.load_from_checkpoint`` and resumes at any world size. Gathering is collective: call
-``trainer.save_checkpoint`` on every rank (as Lightning's ``ModelCheckpoint`` does), also after ``fit``.
+Checkpoints (``trainer.save_checkpoint`` is collective: call it on every rank, as Lightning's ``ModelCheckpoint`` does,
+also after ``fit``; ``fit(ckpt_path=...)`` reads either kind, saved at any world size):
+
+- ``state_dict_type="sharded"`` (default): a directory (:mod:`lightning_zero.checkpoint`); each rank writes its own
+  optimizer shard through ``torch.distributed.checkpoint``, the replicated weights are written once.
+- ``state_dict_type="full"``: one plain file from rank 0: full weights and the optimizer state gathered into the
+  format of the unsharded optimizer, so it loads with plain ``torch.load`` or ``LightningModule.load_from_checkpoint``.
 """
 
 from __future__ import annotations
@@ -30,11 +33,12 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_zero.checkpoint import is_sharded_checkpoint, load_sharded, read_metadata, save_sharded
 from lightning_zero.sharded_optimizer import GRAD_SYNC_MODES, ShardedOptimizer
 from lightning_zero.strategies.base import ScratchParallelStrategy, broadcast_module_states
 
 STAGES = (1, 2, 3)
-STATE_DICT_TYPES = ("full",)
+STATE_DICT_TYPES = ("sharded", "full")
 
 
 class ZeroStrategy(ScratchParallelStrategy):
@@ -46,7 +50,8 @@ class ZeroStrategy(ScratchParallelStrategy):
             ``"microbatch"`` (reduce every micro-batch into the gradient shard). Default: ``"boundary"`` for stage 1,
             ``"microbatch"`` for stage 2.
         bucket_size_mb: cap of one gradient bucket in MiB (> 0).
-        state_dict_type: ``"full"``: one plain checkpoint file written by rank 0.
+        state_dict_type: ``"sharded"`` (a DCP directory, each rank writing its shard) or ``"full"`` (one plain file
+            written by rank 0).
         **kwargs: see :class:`~lightning_zero.strategies.base.ScratchParallelStrategy`.
     """
 
@@ -55,7 +60,7 @@ class ZeroStrategy(ScratchParallelStrategy):
         stage: int = 2,
         grad_sync: str | None = None,
         bucket_size_mb: float = 25,
-        state_dict_type: str = "full",
+        state_dict_type: str = "sharded",
         **kwargs: Any,
     ) -> None:
         if stage not in STAGES:
@@ -74,6 +79,7 @@ class ZeroStrategy(ScratchParallelStrategy):
         self.bucket_size_mb = bucket_size_mb
         self.state_dict_type = state_dict_type
         self._engine: ShardedOptimizer | None = None
+        self._restored_sharded = False
 
     @property
     def engine(self) -> ShardedOptimizer | None:
@@ -128,19 +134,71 @@ class ZeroStrategy(ScratchParallelStrategy):
         self._engine.after_step()
         return output
 
+    # ------------------------------------------------------------ checkpoints
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        """Restore into the flat buffers and the sharded optimizer, which exist only after setup."""
+        return True
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return False  # load_checkpoint restores the optimizer shards itself
+
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """The full optimizer state (collective: Lightning calls this on every rank when it saves)."""
+        """This rank's share of the optimizer state (collective: Lightning calls it on every rank when saving)."""
         if self._engine is None:
             return super().optimizer_state(optimizer)
+        if self.state_dict_type == "sharded":
+            return self._engine.sharded_state_dict()
         return self._engine.full_state_dict()
 
     @override
-    def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
-        states = checkpoint["optimizer_states"]
-        if self._engine is None or len(states) != 1:
-            return super().load_optimizer_state_dict(checkpoint)
-        self._engine.load_full_state_dict(states[0])
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        if self.state_dict_type == "full":
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        checkpoint = dict(checkpoint)
+        tensors: dict[str, Any] = {"model": checkpoint.pop("state_dict")}
+        optimizer_states = checkpoint.pop("optimizer_states", [])
+        for i, state in enumerate(optimizer_states):
+            tensors[f"optimizer_{i}"] = {"state": state["state"]}
+        checkpoint["optimizer_param_groups"] = [state["param_groups"] for state in optimizer_states]
+        save_sharded(filepath, tensors, meta=checkpoint)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        assert self.lightning_module is not None
+        self._restored_sharded = is_sharded_checkpoint(checkpoint_path)
+        if not self._restored_sharded:
+            checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+            if self._engine is not None and checkpoint.get("optimizer_states"):
+                self._engine.load_full_state_dict(checkpoint["optimizer_states"][0])
+            return checkpoint
+        metadata = read_metadata(checkpoint_path)
+        model_state = self.lightning_module.state_dict()  # views of the parameters: DCP loads in place
+        for name, tensor in model_state.items():
+            item = metadata.state_dict_metadata.get(f"model.{name}")
+            if item is not None and tuple(item.size) != tuple(tensor.shape):
+                raise ValueError(
+                    f"checkpoint tensor {name!r} has shape {tuple(item.size)}, but the model's has shape"
+                    f" {tuple(tensor.shape)} (size mismatch): {checkpoint_path}"
+                )
+        tensors: dict[str, Any] = {"model": model_state}
+        has_optimizer = any(fqn.startswith("optimizer_0.") for fqn in metadata.state_dict_metadata)
+        if self._engine is not None and has_optimizer:
+            tensors["optimizer_0"] = self._engine.sharded_template(metadata, "optimizer_0")
+        meta = load_sharded(checkpoint_path, tensors)
+        param_groups = meta.pop("optimizer_param_groups", [])
+        if "optimizer_0" in tensors:
+            self._engine.load_sharded_state_dict(tensors["optimizer_0"], param_groups[0])
+        return meta
+
+    @override
+    def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
+        if not self._restored_sharded:  # a sharded checkpoint was loaded in place by load_checkpoint
+            super().load_model_state_dict(checkpoint, strict)
 
     @override
     def teardown(self) -> None:
