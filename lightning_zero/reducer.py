@@ -1,7 +1,7 @@
 """Bucketed gradient all-reduce overlapped with backward: the engine behind ``ddp_scratch``.
 
-Runbook: ``GradientReducer(module, bucket_cap_bytes=25 * 2**20)`` registers one post-accumulate-grad hook per
-trainable parameter. Run forward/backward as usual; when ``backward()`` returns every ``p.grad`` holds the gradient
+Runbook: ``GradientReducer.for_module(module, bucket_cap_bytes=25 * 2**20)`` registers one post-accumulate-grad hook
+per trainable parameter. Run forward/backward as usual; when ``backward()`` returns every ``p.grad`` holds the gradient
 averaged over the process group. Wrap micro-batches that must not communicate in ``with reducer.no_sync():``.
 
 [Note: tensor roles]
@@ -13,6 +13,9 @@ averaged over the process group. Wrap micro-batches that must not communicate in
 - *fresh gradient*: after ``optimizer.zero_grad(set_to_none=True)`` (Lightning's default) ``p.grad`` is ``None`` and
   autograd hands the next gradient over as a new tensor. The hook copies it into the view and rebinds ``p.grad`` to
   the view; the fresh tensor dies at once. One copy per parameter per accumulation window, nothing persistent.
+- *transient bucket* (``transient=True``, ZeRO's gradient path): the buffer is allocated when the bucket's first
+  gradient arrives, handed to ``on_reduced`` once its all-reduce completes, then freed with the members' ``.grad``;
+  older buckets are waited on as newer ones launch, so only a few buckets exist at any time.
 
 [Note: launch order]
 A bucket is *ready* when all its parameters' hooks have fired in the current synchronised backward. Buckets are
