@@ -13,9 +13,11 @@ averaged over the process group. Wrap micro-batches that must not communicate in
 - *fresh gradient*: after ``optimizer.zero_grad(set_to_none=True)`` (Lightning's default) ``p.grad`` is ``None`` and
   autograd hands the next gradient over as a new tensor. The hook copies it into the view and rebinds ``p.grad`` to
   the view; the fresh tensor dies at once. One copy per parameter per accumulation window, nothing persistent.
-- *transient bucket* (``transient=True``, ZeRO's gradient path): the buffer is allocated when the bucket's first
-  gradient arrives, handed to ``on_reduced`` once its all-reduce completes, then freed with the members' ``.grad``;
-  older buckets are waited on as newer ones launch, so only a few buckets exist at any time.
+- *transient bucket* (``transient=True``, ZeRO's gradient path): when the bucket's first gradient arrives it
+  borrows one of two persistent *pool buffers* (each the size of the largest bucket; reused, so no allocation or
+  page faults per step); once its all-reduce completes it is handed to ``on_reduced``, the members' ``.grad`` are
+  dropped and the buffer goes back to the pool. When no buffer is free the oldest launched bucket is waited on
+  first. So at most two buckets of gradient exist at any time.
 
 [Note: launch order]
 A bucket is *ready* when all its parameters' hooks have fired in the current synchronised backward. Buckets are
@@ -44,6 +46,9 @@ from torch import Tensor, nn
 from lightning_zero import collectives as comm
 from lightning_zero.bucketing import assign_buckets
 
+POOL_SIZE = 2
+"""Pool buffers of a transient reducer: one bucket filling while the previous one is reduced."""
+
 
 @dataclass
 class GradBucket:
@@ -71,12 +76,11 @@ class GradientReducer:
         params: trainable parameters, in expected gradient-ready order (reverse registration order).
         names: a name per parameter, for error messages.
         buckets: the buckets, in launch order; persistent buckets come with their buffer.
-        transient: if ``True`` a bucket's buffer is allocated when its first gradient arrives and released (with the
-            members' ``.grad``) once reduced and handed to ``on_reduced``; at most ``max_in_flight`` reduced buckets
-            wait to be consumed, so no full-size gradient lives through backward. If ``False`` (data parallelism)
-            buffers live as long as the reducer and ``p.grad`` stays a view of them.
+        transient: if ``True`` a bucket borrows a pool buffer when its first gradient arrives and returns it (dropping
+            the members' ``.grad``) once reduced and handed to ``on_reduced``, so no full-size gradient lives through
+            backward. If ``False`` (data parallelism) each bucket has its own buffer for the reducer's life and
+            ``p.grad`` stays a view of it.
         on_reduced: called with each bucket once its all-reduce has completed (before a transient release).
-        max_in_flight: transient mode: launched buckets allowed before the oldest is waited on.
         find_unused_parameters: if ``False``, a synchronised backward that leaves a trainable parameter without a
             gradient raises an error naming it. If ``True`` (persistent buckets only), such parameters are reduced
             as zeros, and parameters that got no gradient on *any* rank during the accumulation window keep
@@ -94,7 +98,6 @@ class GradientReducer:
         *,
         transient: bool = False,
         on_reduced: Callable[[GradBucket], None] | None = None,
-        max_in_flight: int = 2,
         find_unused_parameters: bool = False,
         group: Any = None,
         tag: str = "grads",
@@ -106,7 +109,13 @@ class GradientReducer:
         self._buckets = list(buckets)
         self.transient = transient
         self.on_reduced = on_reduced
-        self.max_in_flight = max_in_flight if transient else len(self._buckets)
+        # Transient mode: per (dtype, device), at most POOL_SIZE persistent buffers of the largest bucket's size.
+        self._pool: dict[tuple, list[Tensor]] = {}
+        self._free: dict[tuple, list[Tensor]] = {}
+        self._pool_numel: dict[tuple, int] = {}
+        for b in self._buckets:
+            key = (b.dtype, b.device)
+            self._pool_numel[key] = max(self._pool_numel.get(key, 0), b.numel)
         self.find_unused_parameters = find_unused_parameters
         self.group = group
         self.tag = tag
@@ -147,8 +156,10 @@ class GradientReducer:
     # ------------------------------------------------------------------ public
     @property
     def buffers(self) -> list[Tensor]:
-        """The bucket buffers that currently exist (the gradient storage), in launch order."""
-        return [b.buffer for b in self._buckets if b.buffer is not None]
+        """The persistent buffers: each bucket's (data parallelism) or the pool's (transient mode)."""
+        return (
+            [t for pool in self._pool.values() for t in pool] if self.transient else [b.buffer for b in self._buckets]
+        )
 
     @property
     def buckets(self) -> list[GradBucket]:
@@ -190,8 +201,24 @@ class GradientReducer:
     def _view(self, i: int) -> Tensor:
         bucket = self._buckets[self._bucket_of[i]]
         if bucket.buffer is None:  # transient: the first gradient of this bucket in this window
-            self._bind(bucket, torch.zeros(bucket.numel, dtype=bucket.dtype, device=bucket.device))
+            buffer = self._borrow(bucket).narrow(0, 0, bucket.numel)
+            members_end = max(o + self._params[j].numel() for j, o in zip(bucket.indices, bucket.offsets))
+            buffer.narrow(0, members_end, bucket.numel - members_end).zero_()  # padding; members are copied in
+            self._bind(bucket, buffer)
         return bucket.views[self._slot_of[i]]
+
+    def _borrow(self, bucket: GradBucket) -> Tensor:
+        key = (bucket.dtype, bucket.device)
+        pool, free = self._pool.setdefault(key, []), self._free.setdefault(key, [])
+        if not free and len(pool) < POOL_SIZE:
+            pool.append(torch.empty(self._pool_numel[key], dtype=bucket.dtype, device=bucket.device))
+            free.append(pool[-1])
+        while not free and self._in_flight:
+            self._drain(len(self._in_flight) - 1)  # the oldest launched bucket gives its buffer back
+        if free:
+            return free.pop()
+        # Both pool buffers hold buckets still filling (gradients arriving out of bucket order): a temporary one.
+        return torch.empty(bucket.numel, dtype=bucket.dtype, device=bucket.device)
 
     def _reset_pass(self) -> None:
         self._pending = [len(b.indices) for b in self._buckets]
@@ -227,7 +254,6 @@ class GradientReducer:
             handle = comm.all_reduce(bucket.buffer, "avg", group=self.group, async_op=True, tag=self.tag)
             self._in_flight.append((bucket, handle))
             self._next_launch += 1
-            self._drain(self.max_in_flight)
 
     def _drain(self, keep: int) -> None:
         """Wait for the oldest launched buckets until at most ``keep`` remain; consume (and release) them."""
@@ -239,6 +265,9 @@ class GradientReducer:
             if self.transient:
                 for i in bucket.indices:
                     self._params[i].grad = None
+                key = (bucket.dtype, bucket.device)
+                pool = self._pool.get(key, [])
+                self._free[key] += [b for b in pool if b.data_ptr() == bucket.buffer.data_ptr()]
                 bucket.buffer, bucket.views = None, []
 
     def _finish_pass(self) -> None:
