@@ -21,6 +21,7 @@ import logging
 from datetime import timedelta
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
@@ -187,6 +188,14 @@ class ScratchParallelStrategy(ParallelStrategy):
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)
+
+    def _setup_replicas(self, trainer: pl.Trainer) -> None:
+        """The start of every subclass's ``setup``: precision, device, and rank 0's weights on every rank."""
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        broadcast_module_states(self.model)
 
     # ------------------------------------------------------------ Lightning's collectives
     def _device_ids(self) -> list[int] | None:

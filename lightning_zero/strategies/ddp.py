@@ -65,11 +65,7 @@ class ScratchDDPStrategy(ScratchParallelStrategy):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        assert self.accelerator is not None and self.model is not None
-        self.accelerator.setup(trainer)
-        self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
-        broadcast_module_states(self.model)
+        self._setup_replicas(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             if self._layer_sync:
                 self.model = self._layer_sync.apply(self.model)

@@ -35,7 +35,7 @@ from typing_extensions import override
 
 from lightning_zero.checkpoint import is_sharded_checkpoint, load_sharded, read_metadata, save_sharded
 from lightning_zero.sharded_optimizer import GRAD_SYNC_MODES, ShardedOptimizer
-from lightning_zero.strategies.base import ScratchParallelStrategy, broadcast_module_states
+from lightning_zero.strategies.base import ScratchParallelStrategy
 
 STAGES = (1, 2, 3)
 STATE_DICT_TYPES = ("sharded", "full")
@@ -88,11 +88,7 @@ class ZeroStrategy(ScratchParallelStrategy):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        assert self.accelerator is not None and self.model is not None
-        self.accelerator.setup(trainer)
-        self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
-        broadcast_module_states(self.model)
+        self._setup_replicas(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             if len(self.optimizers) != 1:

@@ -13,7 +13,6 @@ from lightning.pytorch import Callback
 from lightning.pytorch.strategies import DDPStrategy
 
 import lightning_zero
-from lightning_zero.collectives import LEDGER
 from tests.helpers.parity import (
     ParityConfig,
     ParityModule,
@@ -24,6 +23,7 @@ from tests.helpers.parity import (
     reference_params,
     train_loader,
 )
+from tests.helpers.probes import LedgerPerBatch
 from tests.helpers.workers import run_workers
 
 TOLERANCE = 1e-5
@@ -64,18 +64,7 @@ class _MetricsModule(ParityModule):
         self.log("val_loss_sync", loss, sync_dist=True)
 
 
-class _LedgerPerBatch(Callback):
-    """Ledger records of each training batch (forward, backward and optimizer step included)."""
-
-    def __init__(self) -> None:
-        self.batches: list[list[tuple[str, str, int]]] = []
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self._start = len(LEDGER.records)
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.batches.append(list(LEDGER.records[self._start :]))
-
+class _LedgerPerBatch(LedgerPerBatch):
     def on_train_end(self, trainer, pl_module):
         reducer = trainer.strategy.reducer
         self.bucket_bytes = [b.numel() * b.element_size() for b in reducer.buffers]

@@ -17,7 +17,6 @@ from lightning.pytorch import Callback
 from torch import nn
 
 from lightning_zero import ZeroStrategy
-from lightning_zero.collectives import LEDGER
 from lightning_zero.memory import model_state_bytes
 from tests.helpers.parity import (
     ParityConfig,
@@ -28,6 +27,7 @@ from tests.helpers.parity import (
     reference_params,
     train_loader,
 )
+from tests.helpers.probes import LedgerPerBatch
 from tests.helpers.workers import run_workers
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -63,17 +63,8 @@ class _WideModule(ParityModule):
         self.net = nn.Sequential(nn.Linear(6, 96), nn.LayerNorm(96), nn.Tanh(), nn.Linear(96, 96), nn.Linear(96, 3))
 
 
-class _Probe(Callback):
+class _Probe(LedgerPerBatch):
     """Memory at the end of fit (between steps) and the ledger of every training batch."""
-
-    def __init__(self) -> None:
-        self.batches: list[list[tuple[str, str, int]]] = []
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self._start = len(LEDGER.records)
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.batches.append(list(LEDGER.records[self._start :]))
 
     def on_train_end(self, trainer, pl_module):
         engine = trainer.strategy.engine
