@@ -1,9 +1,13 @@
-"""Optimizer-step time of ``ddp_scratch`` vs Lightning's ``ddp`` vs a no-communication peer, plus the memory floor.
+"""Optimizer-step time of lightning_zero's strategies against their peers, plus model-state bytes against the floors.
 
-Runbook (2 CPU ranks, gloo, one thread each; the full run takes several minutes on a 2-core machine)::
+Runbook (2 CPU ranks, gloo, one thread each; each full run takes several minutes on a 2-core machine)::
 
-    torchrun --nproc_per_node 2 benchmarks/ddp_step_time.py                       # gpt25m, 12 steps x 3 rounds
-    torchrun --nproc_per_node 2 benchmarks/ddp_step_time.py --preset tiny --steps 4 --warmup 1 --rounds 1  # smoke
+    # DDP figures: ddp_scratch vs Lightning ddp vs nocomm (the default --candidates), gpt25m, 12 steps x 3 rounds
+    torchrun --nproc_per_node 2 benchmarks/step_time.py
+    # ZeRO figures: zero1_scratch and zero2_scratch vs Lightning ddp and ddp + torch's ZeroRedundancyOptimizer
+    torchrun --nproc_per_node 2 benchmarks/step_time.py --candidates zero1_scratch zero2_scratch ddp ddp_zero_redundancy
+    # smoke run (seconds; takes --candidates as above)
+    torchrun --nproc_per_node 2 benchmarks/step_time.py --preset tiny --steps 4 --warmup 1 --rounds 1
 
 Protocol: in one torchrun launch, each round fits the *same* model (same seed,
 same init, same data, ``AdamW(fused=True)``) for ``--steps`` optimizer steps under every candidate in turn
@@ -19,14 +23,36 @@ Candidates:
 - ``nocomm``: ``ScratchDDPStrategy`` with gradient sync switched off for every step: the same per-rank work (the
   reducer's hooks still copy gradients into its buckets) with no collective at all. ``x - nocomm`` is the cost of
   communication that backward did not hide.
+- ``zero1_scratch``, ``zero2_scratch``: :class:`lightning_zero.ZeroStrategy` with ``stage=1`` / ``stage=2`` (default
+  ``grad_sync``).
+- ``ddp_zero_redundancy``: Lightning's ``DDPStrategy()`` with the same AdamW inside torch's
+  ``ZeroRedundancyOptimizer`` (``GPTLightningModule(zero_redundancy=True)``): the peer of ``zero1_scratch``.
 
-After every ``ddp_scratch`` fit, before teardown, the per-rank model-state bytes are counted with
-:func:`lightning_zero.memory.model_state_bytes` (floor: 16Ψ for fp32 AdamW) and the gradient all-reduce bytes per
-step are read from :data:`lightning_zero.collectives.LEDGER` (floor: 4Ψ of all-reduce input per step).
+Columns ``vs ddp``, ``vs nocomm`` and ``vs ddp_zero_redundancy`` (each only when that candidate runs) are ratios of
+median step times.
+
+Memory: at ``on_train_end`` of every fit (before teardown), the per-rank model-state bytes are counted with
+:func:`lightning_zero.memory.model_state_bytes` (params, grads, optimizer state, strategy buffers; each storage once,
+in that order) and compared with the floor for fp32 AdamW, Ψ trainable parameters, N ranks: ``ddp_scratch`` (and
+Lightning ``ddp``) 16Ψ, ``zero1_scratch`` (and ``ddp_zero_redundancy``) 8Ψ + 8Ψ/N (4Ψ params + 4Ψ grads + 8Ψ/N Adam),
+``zero2_scratch`` 4Ψ + 12Ψ/N (4Ψ + 4Ψ/N + 8Ψ/N). The ratio is printed for params + grads + optimizer and for the
+total; the two differ by the strategy buffers that no gradient aliases (zero2's two-bucket pool). For the ZeRO
+candidates the parameters include the engine's shard parameters and the buffers are ``engine.strategy_buffers`` (with
+stage 2's default ``grad_sync="microbatch"`` the gradient is the shard accumulator, ``shard.grad``). For the two
+Lightning candidates the strategy buffers of torch's C++ DDP reducer (~4Ψ of buckets) are not visible from Python and
+are left out; ``ddp_zero_redundancy``'s optimizer state is that of its local optimizer (``.optim``). ``nocomm`` is not
+measured (same tensors as ``ddp_scratch``).
+
+Traffic: :data:`lightning_zero.collectives.LEDGER` gives the bytes per optimizer step of the gradient reduction (tag
+``"grads"``, all-reduce of the buckets) for the lightning_zero candidates and of the parameter all-gather after the
+step (tag ``"params"``) for the ZeRO candidates, each against 4Ψ. Lightning's candidates bypass the ledger.
 
 The process group is created by the first fit and reused by every later one: Lightning's ``_init_dist_connection``
-(used by both ``DDPStrategy`` and ``ScratchDDPStrategy``) returns early when ``torch.distributed`` is initialised, and
-neither strategy destroys the group in ``teardown``. The script checks that the group object never changes.
+(used by ``DDPStrategy`` and by lightning_zero's strategies) returns early when ``torch.distributed`` is initialised,
+and no strategy destroys the group in ``teardown``. The script checks that the group object never changes. Nothing of
+a fit outlives it but plain numbers (:class:`FitStats`), so each fit's model and optimizer state are freed before the
+next, and ``destroy_process_group`` at the end really destroys the gloo group (joining its worker threads) before the
+interpreter exits.
 """
 
 from __future__ import annotations
@@ -39,6 +65,7 @@ import statistics
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,9 +73,10 @@ import lightning as L
 import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy, Strategy
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_zero import ScratchDDPStrategy
+from lightning_zero import ScratchDDPStrategy, ZeroStrategy
 from lightning_zero.collectives import LEDGER
 from lightning_zero.memory import ModelStateBytes, model_state_bytes
 
@@ -57,7 +85,20 @@ try:  # run as a script, sys.path[0] is benchmarks/; imported from the repo root
 except ImportError:
     from gpt import PRESETS, GPTConfig, GPTLightningModule, random_token_dataset  # type: ignore[no-redef]
 
-CANDIDATES = ("ddp_scratch", "ddp", "nocomm")
+CANDIDATES = ("ddp_scratch", "ddp", "nocomm", "zero1_scratch", "zero2_scratch", "ddp_zero_redundancy")
+DEFAULT_CANDIDATES = ("ddp_scratch", "ddp", "nocomm")  # the DDP figures; independent of --preset
+PEERS = ("ddp", "nocomm", "ddp_zero_redundancy")  # ratio columns, when present
+ZERO_CANDIDATES = ("zero1_scratch", "zero2_scratch")
+LEDGER_CANDIDATES = ("ddp_scratch", *ZERO_CANDIDATES)  # communicate through lightning_zero.collectives
+HIDDEN_BUFFERS = ("ddp", "ddp_zero_redundancy")  # torch's C++ DDP reducer: bucket bytes not visible
+# Model-state floor per rank in units of Ψ bytes (fp32 params, grads, AdamW's two moments), N = world size.
+FLOORS: dict[str, Callable[[int], float]] = {
+    "ddp_scratch": lambda n: 16,
+    "ddp": lambda n: 16,
+    "zero1_scratch": lambda n: 8 + 8 / n,
+    "ddp_zero_redundancy": lambda n: 8 + 8 / n,
+    "zero2_scratch": lambda n: 4 + 12 / n,
+}
 MIB = 2**20
 
 
@@ -96,35 +137,60 @@ class StepTimer(L.Callback):
         self.times.append(time.perf_counter() - self._start)
 
 
-@dataclass(eq=False)  # keep Callback's identity hash: Lightning may put callbacks in sets/dicts
-class CommProbe(L.Callback):
-    """Gradient all-reduce traffic during training and, with a reducer present, model-state bytes at the end.
+@dataclass
+class FitStats:
+    """What one fit leaves behind: ledger traffic over the whole fit and model-state bytes at its end."""
 
-    ``on_train_end`` runs before ``strategy.teardown``, so ``trainer.strategy.reducer`` (and its buffers) still exist.
-    """
-
-    measure_memory: bool
     grad_bytes: int = 0
     grad_calls: int = 0
+    param_bytes: int = 0
     steps: int = 0
     memory: ModelStateBytes | None = None
+
+
+class CommProbe(L.Callback):
+    """Fills a :class:`FitStats`: ledger traffic during training, model-state bytes at the end.
+
+    ``on_train_end`` runs before ``strategy.teardown``, so ``trainer.strategy.reducer`` / ``.engine`` (and their
+    buffers) still exist and the last step's gradients are still bound. Keep ``probe.stats``, not the probe: Lightning
+    binds ``pl_module.log`` / ``log_dict`` onto every callback, so a kept callback keeps the module, the trainer, the
+    optimizer state and (through them) the process group alive.
+    """
+
+    def __init__(self, measure_memory: bool) -> None:
+        self.measure_memory = measure_memory
+        self.stats = FitStats()
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         LEDGER.reset()  # drop setup traffic (the initial parameter broadcast is tagged "sync_states" anyway)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.grad_bytes = LEDGER.bytes("all_reduce", "grads")
-        self.grad_calls = LEDGER.calls("all_reduce", "grads")
-        self.steps = trainer.global_step
-        if self.measure_memory:
-            reducer = trainer.strategy.reducer  # type: ignore[attr-defined]
-            self.memory = model_state_bytes(pl_module.parameters(), trainer.optimizers, reducer.buffers)
+        stats = self.stats
+        stats.grad_bytes = LEDGER.bytes("all_reduce", "grads")
+        stats.grad_calls = LEDGER.calls("all_reduce", "grads")
+        stats.param_bytes = LEDGER.bytes("all_gather", "params")
+        stats.steps = trainer.global_step
+        if not self.measure_memory:
+            return
+        strategy = trainer.strategy
+        if isinstance(strategy, ZeroStrategy):
+            engine = strategy.engine
+            assert engine is not None
+            params = list(pl_module.parameters()) + engine.shard_params
+            stats.memory = model_state_bytes(params, trainer.optimizers, engine.strategy_buffers)
+        elif isinstance(strategy, ScratchDDPStrategy):
+            reducer = strategy.reducer
+            assert reducer is not None
+            stats.memory = model_state_bytes(pl_module.parameters(), trainer.optimizers, reducer.buffers)
+        else:  # Lightning's DDPStrategy: DDP's buckets live in C++; ZeroRedundancyOptimizer keeps its state in .optim
+            optimizers = [o.optim if isinstance(o, ZeroRedundancyOptimizer) else o for o in trainer.optimizers]
+            stats.memory = model_state_bytes(pl_module.parameters(), optimizers)
 
 
 @dataclass
 class CandidateResult:
     times: list[float] = field(default_factory=list)  # seconds, warm-up dropped, all rounds
-    probes: list[CommProbe] = field(default_factory=list)
+    stats: list[FitStats] = field(default_factory=list)  # one per fit
 
 
 def make_strategy(name: str, bucket_size_mb: float) -> Strategy:
@@ -134,17 +200,22 @@ def make_strategy(name: str, bucket_size_mb: float) -> Strategy:
         return DDPStrategy()  # Lightning's defaults (25 MiB buckets, no gradient_as_bucket_view)
     if name == "nocomm":
         return NoCommStrategy(bucket_size_mb=bucket_size_mb)
+    if name in ZERO_CANDIDATES:
+        return ZeroStrategy(stage=int(name[4]), bucket_size_mb=bucket_size_mb)  # default grad_sync of the stage
+    if name == "ddp_zero_redundancy":
+        # The optimizer is ZeroRedundancyOptimizer(AdamW): GPTLightningModule(zero_redundancy=True) in fit_once.
+        return DDPStrategy()
     raise ValueError(f"unknown candidate {name!r}: expected one of {CANDIDATES}")
 
 
 def fit_once(
     name: str, args: argparse.Namespace, dataset: Dataset, devices: int, num_nodes: int
-) -> tuple[list[float], CommProbe]:
-    """One fit of a freshly initialised model under candidate ``name``; returns (step times, CommProbe)."""
+) -> tuple[list[float], FitStats]:
+    """One fit of a freshly initialised model under candidate ``name``; returns (step times, FitStats)."""
     L.seed_everything(args.seed, verbose=False)  # same init and same DistributedSampler order for every candidate
-    module = GPTLightningModule(PRESETS[args.preset])
+    module = GPTLightningModule(PRESETS[args.preset], zero_redundancy=name == "ddp_zero_redundancy")
     timer = StepTimer()
-    probe = CommProbe(measure_memory=name == "ddp_scratch")
+    probe = CommProbe(measure_memory=name in FLOORS)
     trainer = L.Trainer(
         accelerator="cpu",
         devices=devices,
@@ -165,7 +236,7 @@ def fit_once(
     # Free this fit's model, optimizer state and buckets before the next candidate allocates its own.
     del trainer, module
     gc.collect()
-    return timer.times, probe
+    return timer.times, probe.stats
 
 
 def quartiles(values: list[float]) -> tuple[float, float, float]:
@@ -191,9 +262,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=3, help="steps dropped at the start of every fit")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds over all candidates")
     parser.add_argument("--batch-size", type=int, default=2, help="sequences per rank per step")
-    parser.add_argument("--bucket-size-mb", type=float, default=25.0, help="ScratchDDPStrategy bucket cap (MiB)")
+    parser.add_argument(
+        "--bucket-size-mb", type=float, default=25.0, help="bucket cap (MiB) of ddp_scratch, nocomm and zero*_scratch"
+    )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--candidates", nargs="+", choices=CANDIDATES, default=list(CANDIDATES))
+    parser.add_argument(
+        "--candidates",
+        nargs="+",
+        choices=CANDIDATES,
+        default=list(DEFAULT_CANDIDATES),
+        help=f"fitted in this order every round (default: {' '.join(DEFAULT_CANDIDATES)})",
+    )
     args = parser.parse_args(argv)
     if args.steps <= args.warmup:
         parser.error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup})")
@@ -216,7 +295,7 @@ def quiet_lightning() -> None:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if "LOCAL_WORLD_SIZE" not in os.environ:
-        sys.exit("launch with torchrun, e.g.: torchrun --nproc_per_node 2 benchmarks/ddp_step_time.py")
+        sys.exit("launch with torchrun, e.g.: torchrun --nproc_per_node 2 benchmarks/step_time.py")
     torch.set_num_threads(1)  # 2 ranks on 2 cores: one thread each, or ranks fight for cores
     quiet_lightning()
     local_world = int(os.environ["LOCAL_WORLD_SIZE"])
@@ -243,7 +322,7 @@ def main(argv: list[str] | None = None) -> None:
     fits = 0
     for round_idx in range(args.rounds):
         for name in args.candidates:
-            times, probe = fit_once(name, args, dataset, local_world, num_nodes)
+            times, stats = fit_once(name, args, dataset, local_world, num_nodes)
             fits += 1
             # The first fit creates the default process group; every later fit, whichever strategy, must reuse it.
             if world_group is None:
@@ -252,14 +331,14 @@ def main(argv: list[str] | None = None) -> None:
                 raise RuntimeError(f"round {round_idx + 1}, {name}: the default process group was re-created")
             kept = times[args.warmup :]
             results[name].times.extend(kept)
-            results[name].probes.append(probe)
+            results[name].stats.append(stats)
 
     # Per-rank step times -> the slowest rank's time for each step.
     local_times = {name: r.times for name, r in results.items()}
     gathered: list[dict[str, list[float]]] = [{} for _ in range(world)]
     dist.all_gather_object(gathered, local_times)
-    memories = [p.memory for p in results["ddp_scratch"].probes] if "ddp_scratch" in results else []
-    gathered_memory: list[list[ModelStateBytes | None]] = [[] for _ in range(world)]
+    memories = {name: [s.memory for s in r.stats] for name, r in results.items() if name in FLOORS}
+    gathered_memory: list[dict[str, list[ModelStateBytes | None]]] = [{} for _ in range(world)]
     dist.all_gather_object(gathered_memory, memories)
 
     if is_rank0:
@@ -273,10 +352,11 @@ def report(
     config: GPTConfig,
     results: dict[str, CandidateResult],
     gathered: list[dict[str, list[float]]],
-    gathered_memory: list[list[ModelStateBytes | None]],
+    gathered_memory: list[dict[str, list[ModelStateBytes | None]]],
     fits: int,
 ) -> None:
     psi = GPTLightningModule(config).model.num_parameters()
+    world = len(gathered)
     medians: dict[str, float] = {}
     rows = []
     for name in results:
@@ -287,45 +367,61 @@ def report(
         p25, med, p75 = quartiles(per_step)
         medians[name] = med
         rows.append((name, med, p25, p75, len(per_step), rounds))
+    peers = [peer for peer in PEERS if peer in medians]
 
     print(f"\nstep time, ms (slowest rank per step; {args.warmup} warm-up steps dropped per fit; {fits} fits,")
     print("process group created by the first fit and reused by all)")
-    header = f"{'candidate':<12} {'median':>8} {'p25':>8} {'p75':>8} {'n':>4} {'vs ddp':>7} {'vs nocomm':>9}"
-    header += "  per-round medians"
+    header = f"{'candidate':<20} {'median':>8} {'p25':>8} {'p75':>8} {'n':>4}"
+    header += "".join(f" {'vs ' + peer:>{max(9, len(peer) + 3)}}" for peer in peers) + "  per-round medians"
     print(header)
     print("-" * len(header))
     for name, med, p25, p75, n, rounds in rows:
-        vs_ddp = f"{med / medians['ddp']:.3f}" if "ddp" in medians else "-"
-        vs_nocomm = f"{med / medians['nocomm']:.3f}" if "nocomm" in medians else "-"
+        ratios = "".join(f" {med / medians[peer]:>{max(9, len(peer) + 3)}.3f}" for peer in peers)
         per_round = " / ".join(f"{1e3 * r:.1f}" for r in rounds)
-        quarts = f"{1e3 * med:8.1f} {1e3 * p25:8.1f} {1e3 * p75:8.1f}"
-        print(f"{name:<12} {quarts} {n:>4} {vs_ddp:>7} {vs_nocomm:>9}  {per_round}")
+        print(f"{name:<20} {1e3 * med:8.1f} {1e3 * p25:8.1f} {1e3 * p75:8.1f} {n:>4}{ratios}  {per_round}")
     if "nocomm" in medians:
         exposed = ", ".join(f"{n} {1e3 * (m - medians['nocomm']):+.1f}" for n, m in medians.items() if n != "nocomm")
         print(f"exposed communication (median - nocomm median), ms: {exposed}")
-
-    if "nocomm" in results:
-        leaked = sum(p.grad_bytes for p in results["nocomm"].probes)
+        leaked = sum(s.grad_bytes for s in results["nocomm"].stats)
         print(f"nocomm gradient all-reduce bytes: {leaked} (must be 0)")
-    if "ddp_scratch" in results:
-        probe = results["ddp_scratch"].probes[-1]
-        bytes_per_step = probe.grad_bytes / probe.steps
-        print(
-            f"ddp_scratch gradient all-reduce per step: {bytes_per_step / MIB:.2f} MiB in"
-            f" {probe.grad_calls / probe.steps:g} calls (bucket cap {args.bucket_size_mb:g} MiB)"
-            f" = {bytes_per_step / (4 * psi):.4f} x 4Ψ"
+
+    for name in results:
+        if name in LEDGER_CANDIDATES:
+            stats = results[name].stats[-1]
+            grads = stats.grad_bytes / stats.steps
+            line = (
+                f"{name} per step: gradient reduction {grads / MIB:.2f} MiB in {stats.grad_calls / stats.steps:g}"
+                f" calls = {grads / (4 * psi):.4f} x 4Ψ"
+            )
+            if name in ZERO_CANDIDATES:
+                params = stats.param_bytes / stats.steps
+                line += f", parameter all-gather {params / MIB:.2f} MiB = {params / (4 * psi):.4f} x 4Ψ"
+            print(f"{line} (bucket cap {args.bucket_size_mb:g} MiB)")
+        if name in FLOORS:
+            print(memory_line(name, psi, world, gathered_memory))
+
+
+def memory_line(name: str, psi: int, world: int, gathered_memory: list[dict[str, list[ModelStateBytes | None]]]) -> str:
+    """Model states of ``name`` against its floor: the largest count over ranks and fits (equal up to padding)."""
+    mems = [m for per_rank in gathered_memory for m in per_rank.get(name, []) if m is not None]
+    worst = max(mems, key=lambda m: m.total)
+    floor_psi = FLOORS[name](world)
+    floor = floor_psi * psi
+    states = worst.params + worst.grads + worst.optimizer
+    line = (
+        f"{name} model states per rank, MiB (Ψ = {psi:,}, N = {world}): params {worst.params / MIB:.2f},"
+        f" grads {worst.grads / MIB:.2f}, optimizer {worst.optimizer / MIB:.2f}"
+    )
+    if name in HIDDEN_BUFFERS:
+        return (
+            f"{line}, strategy_buffers n/a (C++ DDP buckets); params+grads+optimizer {states / MIB:.2f}"
+            f" = {states / floor:.4f} x floor {floor_psi:g}Ψ ({floor / MIB:.2f} MiB)"
         )
-        # Largest count over ranks and fits (they should all agree).
-        mems = [m for per_rank in gathered_memory for m in per_rank if m is not None]
-        worst = max(mems, key=lambda m: m.total)
-        if len({m.total for m in mems}) > 1:
-            print(f"note: model-state bytes differ between ranks/fits: {sorted({m.total for m in mems})}")
-        print(
-            f"ddp_scratch model states per rank, MiB (Ψ = {psi:,}): params {worst.params / MIB:.2f},"
-            f" grads {worst.grads / MIB:.2f}, optimizer {worst.optimizer / MIB:.2f},"
-            f" strategy_buffers {worst.strategy_buffers / MIB:.2f}, total {worst.total / MIB:.2f}"
-            f" = {worst.total / (16 * psi):.4f} x 16Ψ"
-        )
+    return (
+        f"{line}, strategy_buffers {worst.strategy_buffers / MIB:.2f}, total {worst.total / MIB:.2f};"
+        f" floor {floor_psi:g}Ψ ({floor / MIB:.2f} MiB): params+grads+optimizer {states / floor:.4f} x,"
+        f" total {worst.total / floor:.4f} x"
+    )
 
 
 if __name__ == "__main__":

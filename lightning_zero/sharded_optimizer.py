@@ -23,12 +23,13 @@ Gradient storage, by ``stage`` and ``grad_sync``:
 - stage 1, ``"boundary"`` (stage 1's default): a persistent full flat gradient per group (4Ψ); ``p.grad`` is a view of
   it, micro-batches accumulate locally without communication, and one reduction per optimizer step leaves every
   rank with the full averaged gradient, of which ``shard.grad`` is a view. Stage 1 memory: 4Ψ + 4Ψ + 8Ψ/N.
-- ``"microbatch"`` (stage 2's default; also valid for stage 1): every micro-batch reduces its buckets; each bucket is
-  allocated when its first gradient arrives, its owned slice is added to a persistent shard accumulator (4Ψ/N)
-  and it is freed at once (at most ``max_in_flight`` reduced buckets wait), so no full gradient survives between
-  micro-batches. Stage 2 memory: 4Ψ + 4Ψ/N + 8Ψ/N.
-- stage 2, ``"boundary"``: micro-batches accumulate into transient bucket buffers (full local gradients, no
-  communication) that are reduced into the shard accumulator and freed at the boundary, before the step.
+- ``"microbatch"`` (stage 2's default; also valid for stage 1): every micro-batch reduces its buckets; each bucket
+  borrows one of the reducer's two pool buffers when its first gradient arrives, its owned slice is added to a
+  persistent shard accumulator (4Ψ/N) once reduced, and the buffer goes back to the pool, so no full gradient
+  survives between micro-batches. Stage 2 memory: 4Ψ + 4Ψ/N + 8Ψ/N, plus the pool (two buckets) reported apart.
+- stage 2, ``"boundary"``: micro-batches accumulate into transient buckets (full local gradients, no communication;
+  buckets beyond the pool's two are allocated for the window) that are reduced into the shard accumulator and
+  released at the boundary, before the step.
 """
 
 from __future__ import annotations
