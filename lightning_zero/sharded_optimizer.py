@@ -54,7 +54,17 @@ GRAD_SYNC_MODES = ("boundary", "microbatch")
 class _FlatGroup:
     """One optimizer param group flattened: its layout, flat param, shard param and gradient storage."""
 
-    def __init__(self, index: int, params: list[Tensor], names: list[str], world_size: int, rank: int) -> None:
+    def __init__(
+        self,
+        index: int,
+        original_params: list[Tensor],
+        params: list[Tensor],
+        names: list[str],
+        world_size: int,
+        rank: int,
+    ) -> None:
+        if not params:
+            raise ValueError(f"param group {index} has no trainable parameters: drop the group or unfreeze some")
         dtypes = {(p.dtype, p.device) for p in params}
         if len(dtypes) > 1:
             raise ValueError(
@@ -73,7 +83,8 @@ class _FlatGroup:
             p.data = view.view_as(p)
         self.start, self.end = self.layout.shard_range(rank)
         self.shard = nn.Parameter(self.flat.narrow(0, self.start, self.end - self.start))
-        self.original_params: list[Tensor] = params
+        # The group as the user built it (frozen ones included): how the full state dict numbers parameters.
+        self.original_params = original_params
         self.flat_grad: Tensor | None = None  # persistent full gradient (stage 1, boundary)
         self.shard_grad: Tensor | None = None  # persistent shard accumulator (transient buckets)
 
@@ -123,8 +134,9 @@ class ShardedOptimizer:
             # Registration order, so that reverse-order buckets are contiguous ranges of the flat buffer.
             params = sorted((p for p in param_group["params"] if p.requires_grad), key=lambda p: order[id(p)])
             seen.update(id(p) for p in params)
-            flat_group = _FlatGroup(index, params, [names[id(p)] for p in params], self.world_size, self.rank)
-            flat_group.original_params = list(param_group["params"])  # numbering of the full state dict
+            flat_group = _FlatGroup(
+                index, list(param_group["params"]), params, [names[id(p)] for p in params], self.world_size, self.rank
+            )
             param_group["params"] = [flat_group.shard]
             self.groups.append(flat_group)
         missing = [name for name, p in module.named_parameters() if p.requires_grad and id(p) not in seen]
