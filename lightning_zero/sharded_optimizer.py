@@ -257,17 +257,33 @@ class ShardedOptimizer:
         local = shard_tensor.narrow(0, 0, real)
         return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=(g.layout.numel,), stride=(1,))
 
+    @staticmethod
+    def _elementwise(g: _FlatGroup, value: object) -> bool:
+        """Whether an optimizer state value has one element per shard element (moments), not a scalar (step)."""
+        return isinstance(value, Tensor) and value.shape == g.shard.shape
+
+    def _hyperparameters(self) -> list[dict]:
+        return [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
+
+    def _check_group_count(self, saved: int) -> None:
+        if saved != len(self.groups):
+            raise ValueError(f"optimizer state has {saved} param groups: expected {len(self.groups)} as in the model")
+
+    def _load_shards(self, sharded_state: dict[int, dict], param_groups: list[dict]) -> None:
+        """Load per-group shard state with the saved hyper-parameters into the rebuilt optimizer."""
+        self.optimizer.load_state_dict(
+            {"state": sharded_state, "param_groups": [{**hp, "params": [i]} for i, hp in enumerate(param_groups)]}
+        )
+
     def sharded_state_dict(self) -> dict:
         """``{"state": {"group<i>": {key: DTensor | scalar}}, "param_groups": [hyper-parameters]}``."""
         state = {}
         for g in self.groups:
             entry = {}
             for key, value in self.optimizer.state.get(g.shard, {}).items():
-                elementwise = isinstance(value, Tensor) and value.shape == g.shard.shape
-                entry[key] = self._to_dtensor(g, value.detach()) if elementwise else value
+                entry[key] = self._to_dtensor(g, value.detach()) if self._elementwise(g, value) else value
             state[f"group{g.index}"] = entry
-        groups = [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
-        return {"state": state, "param_groups": groups}
+        return {"state": state, "param_groups": self._hyperparameters()}
 
     def sharded_template(self, metadata: Metadata, prefix: str) -> dict:
         """Tensors for DCP to load ``prefix``'s optimizer state into, shaped from the checkpoint's index."""
@@ -288,10 +304,7 @@ class ShardedOptimizer:
 
     def load_sharded_state_dict(self, loaded: dict, param_groups: list[dict]) -> None:
         """Load what DCP filled into :meth:`sharded_template`, with the saved hyper-parameters."""
-        if len(param_groups) != len(self.groups):
-            raise ValueError(
-                f"optimizer state has {len(param_groups)} param groups: expected {len(self.groups)} as in the model"
-            )
+        self._check_group_count(len(param_groups))
         sharded_state = {}
         for g in self.groups:
             entry = {}
@@ -304,9 +317,7 @@ class ShardedOptimizer:
                 entry[key] = value
             if entry:
                 sharded_state[g.index] = entry
-        self.optimizer.load_state_dict(
-            {"state": sharded_state, "param_groups": [{**hp, "params": [i]} for i, hp in enumerate(param_groups)]}
-        )
+        self._load_shards(sharded_state, param_groups)
 
     # --------------------------------------------------------- full state dict
     # [Note: full optimizer state] The format of the *unsharded* optimizer: ``{"state": {i: {key: tensor shaped like
@@ -322,16 +333,15 @@ class ShardedOptimizer:
 
     def full_state_dict(self) -> dict:
         """Gather the optimizer state of every shard (collective: call on every rank)."""
-        sharded = self.optimizer.state_dict()
         state: dict[int, dict] = {}
         groups = []
-        for g, numbers, saved_group in zip(self.groups, self._numbering(), sharded["param_groups"]):
-            groups.append({**saved_group, "params": numbers})
+        for g, numbers, hyperparameters in zip(self.groups, self._numbering(), self._hyperparameters()):
+            groups.append({**hyperparameters, "params": numbers})
             shard_state = self.optimizer.state.get(g.shard, {})
             scalars: dict[str, object] = {}  # e.g. Adam's step: equal on every rank
             gathered: dict[str, Tensor] = {}  # per-element state (moments), gathered into a full flat buffer
             for key, value in shard_state.items():
-                if isinstance(value, Tensor) and value.shape == g.shard.shape:
+                if self._elementwise(g, value):
                     gathered[key] = torch.empty(g.layout.padded_numel, dtype=value.dtype, device=value.device)
                     comm.all_gather(gathered[key], value.detach(), group=self.group, tag="state_dict")
                 else:  # a copy: optimizers update e.g. ``step`` in place
@@ -350,10 +360,7 @@ class ShardedOptimizer:
     def load_full_state_dict(self, state_dict: dict) -> None:
         """Load a :meth:`full_state_dict` (from any world size) into this rank's shards."""
         saved_groups = state_dict["param_groups"]
-        if len(saved_groups) != len(self.groups):
-            raise ValueError(
-                f"optimizer state has {len(saved_groups)} param groups: expected {len(self.groups)} as in the model"
-            )
+        self._check_group_count(len(saved_groups))
         sharded_state: dict[int, dict] = {}
         for index, (g, saved_group) in enumerate(zip(self.groups, saved_groups)):
             if len(saved_group["params"]) != len(g.original_params):
@@ -381,6 +388,5 @@ class ShardedOptimizer:
                     flat.narrow(0, offset, p.numel()).copy_(value.reshape(-1))
                 shard_state[key] = flat.narrow(0, g.start, g.end - g.start).clone()
             sharded_state[index] = shard_state
-        self.optimizer.load_state_dict(
-            {"state": sharded_state, "param_groups": [{**s, "params": [i]} for i, s in enumerate(saved_groups)]}
-        )
+        hyperparameters = [{k: v for k, v in group.items() if k != "params"} for group in saved_groups]
+        self._load_shards(sharded_state, hyperparameters)
