@@ -165,6 +165,13 @@ def assert_ranks_agree(per_rank: list[dict[str, torch.Tensor]]) -> None:
         assert max_abs_diff(per_rank[0], params) == 0.0, f"rank {rank} ended with other weights than rank 0"
 
 
+def assert_run_matches_reference(out: Path, config: ParityConfig) -> None:
+    """A script run wrote one parameter file per rank: all equal, and equal to the single-process reference."""
+    per_rank = _load_ranks(out, config.world_size)
+    assert_ranks_agree(per_rank)
+    assert_matches_reference(per_rank[0], config)
+
+
 @pytest.fixture
 def one_thread() -> Iterator[None]:
     threads = torch.get_num_threads()
@@ -192,9 +199,7 @@ def test_popen_two_processes(tmp_path: Path) -> None:
     out = tmp_path / "params.pt"
     cmd = [sys.executable, *_script_args(out, devices=2, accumulate=3)]
     _run_concurrently([cmd], _clean_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())))
-    per_rank = _load_ranks(out, 2)
-    assert_ranks_agree(per_rank)
-    assert_matches_reference(per_rank[0], config)
+    assert_run_matches_reference(out, config)
 
 
 @pytest.mark.timeout(TEST_TIMEOUT)
@@ -214,9 +219,7 @@ def test_torchrun_single_node(tmp_path: Path) -> None:
         *_script_args(out, devices=2, accumulate=1),
     ]
     _run_concurrently([cmd], _clean_env())
-    per_rank = _load_ranks(out, 2)
-    assert_ranks_agree(per_rank)
-    assert_matches_reference(per_rank[0], config)
+    assert_run_matches_reference(out, config)
 
 
 @pytest.mark.timeout(TEST_TIMEOUT)
@@ -245,9 +248,7 @@ def test_torchrun_two_nodes(tmp_path: Path) -> None:
         for node_rank in (0, 1)
     ]
     _run_concurrently(cmds, _clean_env())
-    per_rank = _load_ranks(out, 2)
-    assert_ranks_agree(per_rank)
-    assert_matches_reference(per_rank[0], config)
+    assert_run_matches_reference(out, config)
 
 
 @pytest.mark.timeout(TEST_TIMEOUT)
