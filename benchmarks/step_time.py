@@ -6,6 +6,8 @@ Runbook (2 CPU ranks, gloo, one thread each; each full run takes several minutes
     torchrun --nproc_per_node 2 benchmarks/step_time.py
     # ZeRO figures: zero1_scratch and zero2_scratch vs Lightning ddp and ddp + torch's ZeroRedundancyOptimizer
     torchrun --nproc_per_node 2 benchmarks/step_time.py --candidates zero1_scratch zero2_scratch ddp ddp_zero_redundancy
+    # ZeRO-3 figures: zero3_scratch vs FSDP2 (fully_shard under Lightning's ModelParallelStrategy), ddp and nocomm
+    torchrun --nproc_per_node 2 benchmarks/step_time.py --candidates zero3_scratch fsdp2 ddp nocomm
     # smoke run (seconds; takes --candidates as above)
     torchrun --nproc_per_node 2 benchmarks/step_time.py --preset tiny --steps 4 --warmup 1 --rounds 1
 
@@ -27,32 +29,47 @@ Candidates:
   ``grad_sync``).
 - ``ddp_zero_redundancy``: Lightning's ``DDPStrategy()`` with the same AdamW inside torch's
   ``ZeroRedundancyOptimizer`` (``GPTLightningModule(zero_redundancy=True)``): the peer of ``zero1_scratch``.
+- ``fsdp2``: Lightning's ``ModelParallelStrategy(data_parallel_size=N, tensor_parallel_size=1)``; the module's
+  ``configure_model`` applies torch's FSDP2 ``fully_shard`` to every transformer ``Block``, then to the root model
+  (defaults: ``reshard_after_forward=True``, fp32), on the mesh's ``"data_parallel"`` dimension. The same
+  ``AdamW(fused=True)`` steps the DTensor parameter shards: the fused CPU kernel handles DTensors (checked on torch
+  2.13 against an unsharded model), so every candidate keeps the fused optimizer. The peer of ``zero3_scratch``.
+- ``zero3_scratch``: :class:`lightning_zero.ZeroStrategy` with ``stage=3`` and ``auto_wrap_policy={Block}`` (each
+  ``Block`` gathered on its own, like ``fsdp2``'s units; the rest is the root unit). The model is built on the meta
+  device in ``configure_model`` and materialised with each module's ``reset_parameters()`` (so its initial weights
+  differ from the other candidates', which does not change the step time).
 
-Columns ``vs ddp``, ``vs nocomm`` and ``vs ddp_zero_redundancy`` (each only when that candidate runs) are ratios of
-median step times.
+Columns ``vs ddp``, ``vs nocomm``, ``vs ddp_zero_redundancy`` and ``vs fsdp2`` (each only when that candidate runs) are
+ratios of median step times.
 
 Memory: at ``on_train_end`` of every fit (before teardown), the per-rank model-state bytes are counted with
-:func:`lightning_zero.memory.model_state_bytes` (params, grads, optimizer state, strategy buffers; each storage once,
-in that order) and compared with the floor for fp32 AdamW, Ψ trainable parameters, N ranks: ``ddp_scratch`` (and
-Lightning ``ddp``) 16Ψ, ``zero1_scratch`` (and ``ddp_zero_redundancy``) 8Ψ + 8Ψ/N (4Ψ params + 4Ψ grads + 8Ψ/N Adam),
-``zero2_scratch`` 4Ψ + 12Ψ/N (4Ψ + 4Ψ/N + 8Ψ/N). The ratio is printed for params + grads + optimizer and for the
-total; the two differ by the strategy buffers that no gradient aliases (zero2's two-bucket pool). For the ZeRO
-candidates the parameters include the engine's shard parameters and the buffers are ``engine.strategy_buffers`` (with
-stage 2's default ``grad_sync="microbatch"`` the gradient is the shard accumulator, ``shard.grad``). For the two
-Lightning candidates the strategy buffers of torch's C++ DDP reducer (~4Ψ of buckets) are not visible from Python and
-are left out; ``ddp_zero_redundancy``'s optimizer state is that of its local optimizer (``.optim``). ``nocomm`` is not
-measured (same tensors as ``ddp_scratch``).
+:func:`lightning_zero.memory.model_state_bytes` (params, grads, optimizer state, strategy buffers; each storage once, in
+that order) and compared with the floor for fp32 AdamW, Ψ trainable parameters, N ranks: ``ddp_scratch`` (and Lightning
+``ddp``) 16Ψ, ``zero1_scratch`` (and ``ddp_zero_redundancy``) 8Ψ + 8Ψ/N (4Ψ params + 4Ψ grads + 8Ψ/N Adam),
+``zero2_scratch`` 4Ψ + 12Ψ/N (4Ψ + 4Ψ/N + 8Ψ/N), ``zero3_scratch`` and ``fsdp2`` 16Ψ/N (4Ψ/N + 4Ψ/N + 8Ψ/N). The ratio
+is printed for params + grads + optimizer and for the total; the two differ by the strategy buffers that no gradient
+aliases (zero2's two-bucket pool). For the ZeRO candidates the parameters include the engine's shard parameters and the
+buffers are ``engine.strategy_buffers`` (with stage 2's default ``grad_sync="microbatch"`` the gradient is the shard
+accumulator, ``shard.grad``). For Lightning's ``ddp`` and ``ddp_zero_redundancy`` the strategy buffers of torch's C++
+DDP reducer (~4Ψ of buckets) are not visible from Python and are left out; ``ddp_zero_redundancy``'s optimizer state is
+that of its local optimizer (``.optim``). ``fsdp2``'s parameters, gradients and AdamW moments are DTensors: their local
+shards (``DTensor.to_local()``, padded as FSDP2 pads them) are counted; its all-gather/reduce-scatter buffers are
+internal and transient (freed between steps), so no strategy buffers are reported. ``nocomm`` is not measured (same
+tensors as ``ddp_scratch``).
 
 Traffic: :data:`lightning_zero.collectives.LEDGER` gives the bytes per optimizer step of the gradient reduction (tag
-``"grads"``, all-reduce of the buckets) for the lightning_zero candidates and of the parameter all-gather after the
-step (tag ``"params"``) for the ZeRO candidates, each against 4Ψ. Lightning's candidates bypass the ledger.
+``"grads"``, all-reduce or reduce-scatter of the buckets, input bytes) for the lightning_zero candidates, against 4Ψ,
+and of the parameter all-gather (tag ``"params"``, output bytes) for the ZeRO candidates: after the step for stages 1
+and 2, against 4Ψ; before each unit's forward and again before its backward for stage 3, against 8Ψ. Lightning's
+candidates (``ddp``, ``ddp_zero_redundancy``, ``fsdp2``) bypass the ledger.
 
-The process group is created by the first fit and reused by every later one: Lightning's ``_init_dist_connection``
-(used by ``DDPStrategy`` and by lightning_zero's strategies) returns early when ``torch.distributed`` is initialised,
-and no strategy destroys the group in ``teardown``. The script checks that the group object never changes. Nothing of
-a fit outlives it but plain numbers (:class:`FitStats`), so each fit's model and optimizer state are freed before the
-next, and ``destroy_process_group`` at the end really destroys the gloo group (joining its worker threads) before the
-interpreter exits.
+The process group is created by the first fit and reused by every later one: Lightning's ``_init_dist_connection`` (used
+by ``DDPStrategy``, ``ModelParallelStrategy`` and by lightning_zero's strategies) returns early when
+``torch.distributed`` is initialised, and no strategy destroys the group in ``teardown``. The script checks that the
+group object never changes (each ``fsdp2`` fit's ``init_device_mesh`` adds one subgroup of its own, destroyed with the
+rest at the end). Nothing of a fit outlives it but plain numbers (:class:`FitStats`), so each fit's model and
+optimizer state are freed before the next, and ``destroy_process_group`` at the end really destroys the gloo group
+(joining its worker threads) before the interpreter exits.
 """
 
 from __future__ import annotations
@@ -65,15 +82,17 @@ import statistics
 import sys
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import lightning as L
 import torch
 import torch.distributed as dist
-from lightning.pytorch.strategies import DDPStrategy, Strategy
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Strategy
+from torch import Tensor
 from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_zero import ScratchDDPStrategy, ZeroStrategy
@@ -81,16 +100,33 @@ from lightning_zero.collectives import LEDGER
 from lightning_zero.memory import ModelStateBytes, model_state_bytes
 
 try:  # run as a script, sys.path[0] is benchmarks/; imported from the repo root, it is a namespace package
-    from benchmarks.gpt import PRESETS, GPTConfig, GPTLightningModule, random_token_dataset
+    from benchmarks.gpt import GPT, PRESETS, Block, GPTConfig, GPTLightningModule, random_token_dataset
 except ImportError:
-    from gpt import PRESETS, GPTConfig, GPTLightningModule, random_token_dataset  # type: ignore[no-redef]
+    from gpt import GPT, PRESETS, Block, GPTConfig, GPTLightningModule, random_token_dataset  # type: ignore[no-redef]
 
-CANDIDATES = ("ddp_scratch", "ddp", "nocomm", "zero1_scratch", "zero2_scratch", "ddp_zero_redundancy")
+CANDIDATES = (
+    "ddp_scratch",
+    "ddp",
+    "nocomm",
+    "zero1_scratch",
+    "zero2_scratch",
+    "ddp_zero_redundancy",
+    "fsdp2",
+    "zero3_scratch",
+)
 DEFAULT_CANDIDATES = ("ddp_scratch", "ddp", "nocomm")  # the DDP figures; independent of --preset
-PEERS = ("ddp", "nocomm", "ddp_zero_redundancy")  # ratio columns, when present
-ZERO_CANDIDATES = ("zero1_scratch", "zero2_scratch")
+PEERS = ("ddp", "nocomm", "ddp_zero_redundancy", "fsdp2")  # ratio columns, when present
+ZERO_CANDIDATES = ("zero1_scratch", "zero2_scratch", "zero3_scratch")
 LEDGER_CANDIDATES = ("ddp_scratch", *ZERO_CANDIDATES)  # communicate through lightning_zero.collectives
-HIDDEN_BUFFERS = ("ddp", "ddp_zero_redundancy")  # torch's C++ DDP reducer: bucket bytes not visible
+# Parameter all-gather bytes per optimizer step, in units of Ψ bytes: once after the step (stages 1 and 2), before
+# each unit's forward and again before its backward (stage 3).
+PARAM_GATHER_PSI = {"zero1_scratch": 4, "zero2_scratch": 4, "zero3_scratch": 8}
+# Candidates whose strategy buffers are not visible from Python, and why.
+HIDDEN_BUFFERS = {
+    "ddp": "C++ DDP buckets",
+    "ddp_zero_redundancy": "C++ DDP buckets",
+    "fsdp2": "FSDP2's transient communication buffers",
+}
 # Model-state floor per rank in units of Ψ bytes (fp32 params, grads, AdamW's two moments), N = world size.
 FLOORS: dict[str, Callable[[int], float]] = {
     "ddp_scratch": lambda n: 16,
@@ -98,6 +134,8 @@ FLOORS: dict[str, Callable[[int], float]] = {
     "zero1_scratch": lambda n: 8 + 8 / n,
     "ddp_zero_redundancy": lambda n: 8 + 8 / n,
     "zero2_scratch": lambda n: 4 + 12 / n,
+    "zero3_scratch": lambda n: 16 / n,
+    "fsdp2": lambda n: 16 / n,
 }
 MIB = 2**20
 
@@ -166,8 +204,8 @@ class CommProbe(L.Callback):
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         stats = self.stats
-        stats.grad_bytes = LEDGER.bytes("all_reduce", "grads")
-        stats.grad_calls = LEDGER.calls("all_reduce", "grads")
+        stats.grad_bytes = LEDGER.bytes("all_reduce", "grads") + LEDGER.bytes("reduce_scatter", "grads")
+        stats.grad_calls = LEDGER.calls("all_reduce", "grads") + LEDGER.calls("reduce_scatter", "grads")
         stats.param_bytes = LEDGER.bytes("all_gather", "params")
         stats.steps = trainer.global_step
         if not self.measure_memory:
@@ -182,9 +220,42 @@ class CommProbe(L.Callback):
             reducer = strategy.reducer
             assert reducer is not None
             stats.memory = model_state_bytes(pl_module.parameters(), trainer.optimizers, reducer.buffers)
+        elif isinstance(strategy, ModelParallelStrategy):  # FSDP2: count the local shards of the DTensors
+            stats.memory = model_state_bytes(
+                local_shards(pl_module.parameters()), [LocalOptimizerState(o) for o in trainer.optimizers]
+            )
         else:  # Lightning's DDPStrategy: DDP's buckets live in C++; ZeroRedundancyOptimizer keeps its state in .optim
             optimizers = [o.optim if isinstance(o, ZeroRedundancyOptimizer) else o for o in trainer.optimizers]
             stats.memory = model_state_bytes(pl_module.parameters(), optimizers)
+
+
+def _local(tensor: Tensor) -> Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def local_shards(params: Iterable[Tensor]) -> list[Tensor]:
+    """Aliases of this rank's shard of every parameter, each with this rank's shard of its gradient as ``.grad``.
+
+    ``model_state_bytes`` reads ``p.grad`` of the tensors it is given, and a DTensor's ``untyped_storage()`` is not its
+    local shard's, so it is given plain tensors sharing the shards' storages.
+    """
+    shards = []
+    with torch.no_grad():
+        for p in params:
+            shard = _local(p).detach()
+            if p.grad is not None:
+                shard.grad = _local(p.grad)
+            shards.append(shard)
+    return shards
+
+
+class LocalOptimizerState:  # duck-typed for model_state_bytes, which reads only .state
+    """What ``model_state_bytes`` reads of an optimizer (``.state``), with every DTensor replaced by its local shard."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.state = {
+            p: {k: _local(v) if isinstance(v, Tensor) else v for k, v in s.items()} for p, s in optimizer.state.items()
+        }
 
 
 @dataclass
@@ -193,15 +264,22 @@ class CandidateResult:
     stats: list[FitStats] = field(default_factory=list)  # one per fit
 
 
-def make_strategy(name: str, bucket_size_mb: float) -> Strategy:
+def make_strategy(name: str, bucket_size_mb: float, world_size: int) -> Strategy:
     if name == "ddp_scratch":
         return ScratchDDPStrategy(bucket_size_mb=bucket_size_mb)
     if name == "ddp":
         return DDPStrategy()  # Lightning's defaults (25 MiB buckets, no gradient_as_bucket_view)
     if name == "nocomm":
         return NoCommStrategy(bucket_size_mb=bucket_size_mb)
+    if name == "zero3_scratch":  # one gather unit per Block, like fsdp2's fully_shard units
+        return ZeroStrategy(stage=3, bucket_size_mb=bucket_size_mb, auto_wrap_policy={Block})
     if name in ZERO_CANDIDATES:
         return ZeroStrategy(stage=int(name[4]), bucket_size_mb=bucket_size_mb)  # default grad_sync of the stage
+    if name == "fsdp2":
+        # Pure data parallelism on a (N, 1) mesh: the "auto" sizes would make it tensor-parallel within a node, and
+        # the DistributedSampler (sized by the data-parallel dimension) would give every rank the same batches.
+        # GPTLightningModule.configure_model applies fully_shard on the mesh's "data_parallel" dimension.
+        return ModelParallelStrategy(data_parallel_size=world_size, tensor_parallel_size=1)
     if name == "ddp_zero_redundancy":
         # The optimizer is ZeroRedundancyOptimizer(AdamW): GPTLightningModule(zero_redundancy=True) in fit_once.
         return DDPStrategy()
@@ -220,7 +298,7 @@ def fit_once(
         accelerator="cpu",
         devices=devices,
         num_nodes=num_nodes,
-        strategy=make_strategy(name, args.bucket_size_mb),
+        strategy=make_strategy(name, args.bucket_size_mb, devices * num_nodes),
         max_steps=args.steps,
         logger=False,
         enable_checkpointing=False,
@@ -355,7 +433,7 @@ def report(
     gathered_memory: list[dict[str, list[ModelStateBytes | None]]],
     fits: int,
 ) -> None:
-    psi = GPTLightningModule(config).model.num_parameters()
+    psi = GPT(config).num_parameters()
     world = len(gathered)
     medians: dict[str, float] = {}
     rows = []
@@ -393,9 +471,10 @@ def report(
                 f"{name} per step: gradient reduction {grads / MIB:.2f} MiB in {stats.grad_calls / stats.steps:g}"
                 f" calls = {grads / (4 * psi):.4f} x 4Ψ"
             )
-            if name in ZERO_CANDIDATES:
+            if name in PARAM_GATHER_PSI:
                 params = stats.param_bytes / stats.steps
-                line += f", parameter all-gather {params / MIB:.2f} MiB = {params / (4 * psi):.4f} x 4Ψ"
+                units = PARAM_GATHER_PSI[name]
+                line += f", parameter all-gather {params / MIB:.2f} MiB = {params / (units * psi):.4f} x {units}Ψ"
             print(f"{line} (bucket cap {args.bucket_size_mb:g} MiB)")
         if name in FLOORS:
             print(memory_line(name, psi, world, gathered_memory))
@@ -414,7 +493,7 @@ def memory_line(name: str, psi: int, world: int, gathered_memory: list[dict[str,
     )
     if name in HIDDEN_BUFFERS:
         return (
-            f"{line}, strategy_buffers n/a (C++ DDP buckets); params+grads+optimizer {states / MIB:.2f}"
+            f"{line}, strategy_buffers n/a ({HIDDEN_BUFFERS[name]}); params+grads+optimizer {states / MIB:.2f}"
             f" = {states / floor:.4f} x floor {floor_psi:g}Ψ ({floor / MIB:.2f} MiB)"
         )
     return (

@@ -15,10 +15,13 @@ It has two jobs.
    1 MiB 0.9 vs 1.1, 4 MiB 3.9 vs 3.5, 64 MiB 63 vs 24, 128 MiB 127 vs 48. So on gloo, from
    :data:`GLOO_SUBSTITUTE_MIN_BYTES` of input up:
 
-   - reduce-scatter  = all-reduce the input *in place*, then copy this rank's chunk out;
+   - reduce-scatter  = pairwise exchange: each rank sends chunk ``d`` of its input to rank ``d`` and receives its own
+     chunk from every other rank (point-to-point, all in flight at once), then sums the N contributions in rank
+     order. Each rank sends and receives (N-1)/N of the input, half of what an all-reduce moves; 2 ranks, median ms:
+     12.6 MiB 4.8 (all-reduce 9.4, native 16.7), 34 MiB 21.8 (27.6, 51.6);
    - all-gather      = one broadcast per rank straight into the preallocated output.
 
-   Callers of :func:`reduce_scatter` treat ``input`` as scratch either way: it may be overwritten.
+   ``input`` must stay untouched until the returned handle has been waited on.
 
    NCCL (and any other backend) keeps the native ``reduce_scatter_single`` / ``all_gather_single``.
 
@@ -44,6 +47,15 @@ _all_gather_native = getattr(dist, "all_gather_single", None) or dist.all_gather
 
 GLOO_SUBSTITUTE_MIN_BYTES = 4 * 2**20
 """Smallest message (reduce-scatter input, all-gather output) for which gloo uses the substitutes."""
+
+_LOCAL_REDUCE: dict[str, Callable[[Tensor, Tensor], Any]] = {
+    "sum": Tensor.add_,
+    "avg": Tensor.add_,
+    "mean": Tensor.add_,
+    "max": lambda out, x: torch.maximum(out, x, out=out),
+    "min": lambda out, x: torch.minimum(out, x, out=out),
+}
+"""In-place combination of two contributions, for the gloo reduce-scatter substitute."""
 
 _REDUCE_OPS = {
     "sum": dist.ReduceOp.SUM,
@@ -176,7 +188,7 @@ def reduce_scatter(
 ) -> Handle | None:
     """Reduce ``input`` (``world_size`` equal chunks, flat) across ranks; this rank's chunk lands in ``output``.
 
-    On gloo ``input`` is overwritten with the full reduction (see [Note: gloo substitutes]).
+    ``input`` must not change until the handle is waited on (see [Note: gloo substitutes]).
     """
     n = world_size(group)
     if input.numel() != output.numel() * n:
@@ -187,9 +199,27 @@ def reduce_scatter(
     if not uses_gloo_substitutes(_nbytes(input), group):
         work = _reduce_scatter_native(output, input, op=_op(op), group=group, async_op=async_op)
         return _finish([work], async_op)
-    work = dist.all_reduce(input, op=_op(op), group=group, async_op=async_op)
-    chunk = input.view(-1).narrow(0, rank(group) * output.numel(), output.numel())
-    return _finish([work], async_op, then=lambda: output.view(-1).copy_(chunk))
+    if op not in _LOCAL_REDUCE:
+        raise ValueError(f"reduce_scatter op {op!r} is invalid on gloo: expected one of {sorted(_LOCAL_REDUCE)}")
+    me, k, out = rank(group), output.numel(), output.view(-1)
+    chunks = input.view(-1).split(k)
+    peers = [peer for peer in range(n) if peer != me]
+    # The first peer's chunk lands in ``output`` itself; the others in buffers of their own.
+    received = {peer: out if peer == peers[0] else torch.empty_like(out) for peer in peers}
+    works = []
+    for peer, buffer in received.items():
+        global_peer = peer if group is None else dist.get_global_rank(group, peer)
+        works.append(dist.isend(chunks[peer], global_peer, group=group))
+        works.append(dist.irecv(buffer, global_peer, group=group))
+
+    def combine() -> None:  # output + every other contribution, in rank order
+        for r in range(n):
+            if r != peers[0]:
+                _LOCAL_REDUCE[op](out, chunks[me] if r == me else received[r])
+        if op in ("avg", "mean"):
+            out.div_(n)
+
+    return _finish(works, async_op, then=combine)
 
 
 def all_gather(

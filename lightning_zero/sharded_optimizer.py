@@ -51,6 +51,33 @@ from lightning_zero.reducer import GradBucket, GradientReducer
 GRAD_SYNC_MODES = ("boundary", "microbatch")
 
 
+def check_in_optimizer(missing: list[str]) -> None:
+    """Raise if trainable parameters (``missing``, by name) are in no optimizer param group."""
+    if missing:
+        raise ValueError(
+            f"trainable parameters {missing} are in no optimizer param group: ZeRO shards the optimizer, so add"
+            " them to a group or freeze them (requires_grad=False)"
+        )
+
+
+def clip_grad_norm_(grads: list[Tensor], max_norm: float, *, group: object, device: torch.device) -> Tensor:
+    """Scale this rank's gradient shards so the *global* norm is at most ``max_norm``; return that norm.
+
+    Same formula as ``torch.nn.utils.clip_grad_norm_``; shards are disjoint and padding is zero, so the sum of
+    per-rank squared norms is the squared norm of the whole gradient (one scalar all-reduce).
+    """
+    squared = torch.zeros((), dtype=torch.float32, device=device)
+    for grad in grads:
+        squared += grad.detach().float().pow(2).sum()
+    comm.all_reduce(squared, "sum", group=group, tag="clip_norm")
+    total = squared.sqrt()
+    coef = max_norm / (total.item() + 1e-6)
+    if coef < 1.0 and math.isfinite(coef):
+        for grad in grads:
+            grad.mul_(coef)
+    return total
+
+
 class _FlatGroup:
     """One optimizer param group flattened: its layout, flat param, shard param and gradient storage."""
 
@@ -139,12 +166,7 @@ class ShardedOptimizer:
             )
             param_group["params"] = [flat_group.shard]
             self.groups.append(flat_group)
-        missing = [name for name, p in module.named_parameters() if p.requires_grad and id(p) not in seen]
-        if missing:
-            raise ValueError(
-                f"trainable parameters {missing} are in no optimizer param group: ZeRO shards the optimizer, so add"
-                " them to a group or freeze them (requires_grad=False)"
-            )
+        check_in_optimizer([name for name, p in module.named_parameters() if p.requires_grad and id(p) not in seen])
         self.reducer = self._build_reducer(module, bucket_cap_bytes)
 
     def _build_reducer(self, module: nn.Module, bucket_cap_bytes: int) -> GradientReducer:
@@ -215,23 +237,9 @@ class ShardedOptimizer:
         return persistent + self.reducer.buffers
 
     def clip_grad_norm_(self, max_norm: float) -> Tensor:
-        """Scale the shard gradients so the *global* gradient norm is at most ``max_norm``; return that norm.
-
-        Same formula as ``torch.nn.utils.clip_grad_norm_``; shards are disjoint and padding is zero, so the sum of
-        per-rank squared norms is the squared norm of the whole gradient.
-        """
+        """Scale the shard gradients so the *global* gradient norm is at most ``max_norm``; return that norm."""
         grads = [g.shard.grad for g in self.groups if g.shard.grad is not None]
-        device = self.groups[0].flat.device
-        squared = torch.zeros((), dtype=torch.float32, device=device)
-        for grad in grads:
-            squared += grad.detach().float().pow(2).sum()
-        comm.all_reduce(squared, "sum", group=self.group, tag="clip_norm")
-        total = squared.sqrt()
-        coef = max_norm / (total.item() + 1e-6)
-        if coef < 1.0 and math.isfinite(coef):
-            for grad in grads:
-                grad.mul_(coef)
-        return total
+        return clip_grad_norm_(grads, max_norm, group=self.group, device=self.groups[0].flat.device)
 
     def after_step(self) -> None:
         """All-gather the updated shards into the full parameters; drop full local gradients (stage 1)."""

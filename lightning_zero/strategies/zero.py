@@ -1,15 +1,19 @@
-"""``zero1_scratch`` / ``zero2_scratch``: ZeRO on our own collectives (:mod:`lightning_zero.sharded_optimizer`).
+"""``zero1_scratch`` / ``zero2_scratch`` / ``zero3_scratch``: ZeRO on our own collectives.
 
 Runbook::
 
     import lightning_zero  # registers the names below
     trainer = Trainer(accelerator="cpu", devices=2, strategy="zero2_scratch", gradient_clip_val=1.0)
     trainer = Trainer(devices=2, strategy=lightning_zero.ZeroStrategy(stage=1, grad_sync="microbatch"))
+    trainer = Trainer(devices=2, strategy=lightning_zero.ZeroStrategy(stage=3, auto_wrap_policy={Block}))
 
-Registered names: ``zero1_scratch``, ``zero2_scratch`` (popen launcher) and their ``_spawn`` variants. The model is
-not wrapped; the optimizer returned by ``configure_optimizers`` is rebuilt in place over this rank's shard after
-Lightning sets it up, so schedulers keep driving it. Norm clipping (``gradient_clip_val`` with the default
-``gradient_clip_algorithm="norm"``) uses the global norm across shards.
+Registered names: ``zero1_scratch``, ``zero2_scratch``, ``zero3_scratch`` (popen launcher) and their ``_spawn``
+variants. Stages 1 and 2 (:mod:`lightning_zero.sharded_optimizer`) leave the model whole; stage 3
+(:mod:`lightning_zero.sharded_params`) shards it per unit. ``configure_model`` runs on the meta device under stage 3,
+so a model is built piece by piece and no rank ever holds all of it. The optimizer returned by
+``configure_optimizers`` is rebuilt in place over this rank's shards after Lightning sets it up, so schedulers keep
+driving it. Norm clipping (``gradient_clip_val`` with the default ``gradient_clip_algorithm="norm"``) uses the global
+norm across shards.
 
 Checkpoints (``trainer.save_checkpoint`` is collective: call it on every rank, as Lightning's ``ModelCheckpoint`` does,
 also after ``fit``; ``fit(ckpt_path=...)`` reads either kind, saved at any world size):
@@ -23,18 +27,21 @@ also after ``fit``; ``fit(ckpt_path=...)`` reads either kind, saved at any world
 from __future__ import annotations
 
 from collections.abc import Callable, Generator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_zero import sharded_params_state as sp_state
 from lightning_zero.checkpoint import is_sharded_checkpoint, load_sharded, read_metadata, save_sharded
 from lightning_zero.sharded_optimizer import GRAD_SYNC_MODES, ShardedOptimizer
+from lightning_zero.sharded_params import ShardedParams
 from lightning_zero.strategies.base import ScratchParallelStrategy
 
 STAGES = (1, 2, 3)
@@ -42,16 +49,22 @@ STATE_DICT_TYPES = ("sharded", "full")
 
 
 class ZeroStrategy(ScratchParallelStrategy):
-    """ZeRO data parallelism: optimizer state (stage 1) and gradients (stage 2) sharded across ranks.
+    """ZeRO data parallelism: optimizer state (stage 1), gradients (stage 2) and parameters (stage 3) sharded.
 
     Args:
-        stage: 1 (optimizer state sharded) or 2 (+ gradients). Stage 3 is not available yet.
+        stage: 1 (optimizer state sharded), 2 (+ gradients) or 3 (+ parameters).
         grad_sync: ``"boundary"`` (reduce once per optimizer step; full local gradients between micro-batches) or
             ``"microbatch"`` (reduce every micro-batch into the gradient shard). Default: ``"boundary"`` for stage 1,
-            ``"microbatch"`` for stage 2.
-        bucket_size_mb: cap of one gradient bucket in MiB (> 0).
+            ``"microbatch"`` for stages 2 and 3.
+        bucket_size_mb: cap of one gradient bucket in MiB (> 0; stages 1 and 2).
         state_dict_type: ``"sharded"`` (a DCP directory, each rank writing its shard) or ``"full"`` (one plain file
             written by rank 0).
+        auto_wrap_policy: stage 3: module classes whose instances become units (e.g. ``{Block}``).
+        min_num_params: stage 3: instead, every submodule with at least this many parameters of its own.
+            Neither: the children of the outermost ``nn.ModuleList``/``nn.Sequential`` (see
+            ``lightning_zero/units.py``).
+        reshard_after_forward: stage 3: free each unit after its forward (``True``, 3 x 4Ψ traffic per step) or keep
+            it until its backward (``False``, 2 x 4Ψ, more memory).
         **kwargs: see :class:`~lightning_zero.strategies.base.ScratchParallelStrategy`.
     """
 
@@ -61,12 +74,26 @@ class ZeroStrategy(ScratchParallelStrategy):
         grad_sync: str | None = None,
         bucket_size_mb: float = 25,
         state_dict_type: str = "sharded",
+        auto_wrap_policy: set[type] | None = None,
+        min_num_params: int | None = None,
+        reshard_after_forward: bool = True,
         **kwargs: Any,
     ) -> None:
         if stage not in STAGES:
             raise ValueError(f"stage={stage!r} is invalid: expected 1, 2 or 3")
-        if stage == 3:
-            raise NotImplementedError("stage=3 (sharded parameters) is not available yet: use stage 1 or 2")
+        stage3_only = {"auto_wrap_policy": auto_wrap_policy, "min_num_params": min_num_params}
+        stage3_only["reshard_after_forward"] = None if reshard_after_forward is True else reshard_after_forward
+        misplaced = [k for k, v in stage3_only.items() if v is not None]
+        if stage != 3 and misplaced:
+            raise ValueError(f"{', '.join(misplaced)} apply to stage=3 only: got stage={stage}")
+        if auto_wrap_policy is not None and min_num_params is not None:
+            raise ValueError("auto_wrap_policy and min_num_params are exclusive: pass one of them (or neither)")
+        if min_num_params is not None and (type(min_num_params) is not int or min_num_params < 1):
+            raise ValueError(f"min_num_params={min_num_params!r} is invalid: expected an integer >= 1")
+        if auto_wrap_policy is not None:
+            auto_wrap_policy = set(auto_wrap_policy)
+            if not auto_wrap_policy or not all(isinstance(c, type) for c in auto_wrap_policy):
+                raise ValueError(f"auto_wrap_policy={auto_wrap_policy!r} is invalid: expected a set of module classes")
         if grad_sync is not None and grad_sync not in GRAD_SYNC_MODES:
             raise ValueError(f"grad_sync={grad_sync!r} is invalid: expected one of {GRAD_SYNC_MODES} or None")
         if isinstance(bucket_size_mb, bool) or not isinstance(bucket_size_mb, (int, float)) or bucket_size_mb <= 0:
@@ -78,24 +105,37 @@ class ZeroStrategy(ScratchParallelStrategy):
         self.grad_sync = grad_sync or ("boundary" if stage == 1 else "microbatch")
         self.bucket_size_mb = bucket_size_mb
         self.state_dict_type = state_dict_type
+        self.auto_wrap_policy, self.min_num_params = auto_wrap_policy, min_num_params
+        self.reshard_after_forward = reshard_after_forward
         self._engine: ShardedOptimizer | None = None
+        self._params: ShardedParams | None = None
+        self._init_rng_state: dict[str, torch.Tensor] | None = None
         self._restored_sharded = False
 
     @property
-    def engine(self) -> ShardedOptimizer | None:
+    def engine(self) -> ShardedOptimizer | ShardedParams | None:
         """The ZeRO engine of the current (or last) fit, else ``None``."""
-        return self._engine
+        return self._params if self.stage == 3 else self._engine
+
+    @contextmanager
+    @override
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """Stage 3: ``configure_model`` builds on the meta device; the engine builds each piece on its rank."""
+        with torch.device("meta") if self.stage == 3 else nullcontext():
+            yield
+        if self.stage == 3:  # meta construction draws no random numbers: this is the state a normal build starts from
+            self._init_rng_state = {"cpu": torch.get_rng_state()}
+            if self.root_device.type == "cuda":
+                self._init_rng_state["cuda"] = torch.cuda.get_rng_state(self.root_device)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
+        if self.stage == 3:
+            return self._setup_stage3(trainer)
         self._setup_replicas(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
-            if len(self.optimizers) != 1:
-                raise ValueError(
-                    f"ZeRO shards one optimizer: configure_optimizers returned {len(self.optimizers)}; combine them"
-                    " into one optimizer with several param groups"
-                )
+            self._check_one_optimizer()
             _optimizers_to_device(self.optimizers, self.root_device)
             self._engine = ShardedOptimizer(
                 self.model,
@@ -109,26 +149,74 @@ class ZeroStrategy(ScratchParallelStrategy):
             self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm  # type: ignore[method-assign]
         self.setup_precision_plugin()
 
+    def _setup_stage3(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        self.precision_plugin.convert_module(self.model)
+        if self._params is None or self._params.module is not self.model:
+            self._params = ShardedParams(
+                self.model,
+                auto_wrap_policy=self.auto_wrap_policy,
+                min_num_params=self.min_num_params,
+                reshard_after_forward=self.reshard_after_forward,
+                grad_sync=self.grad_sync,
+                device=self.root_device,
+                rng_state=self._init_rng_state,
+            )
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+            self._check_one_optimizer()
+            self._params.attach_optimizer(self.optimizers[0])
+            _optimizers_to_device(self.optimizers, self.root_device)
+            self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm  # type: ignore[method-assign]
+        self.setup_precision_plugin()
+
+    def _check_one_optimizer(self) -> None:
+        if len(self.optimizers) != 1:
+            raise ValueError(
+                f"ZeRO shards one optimizer: configure_optimizers returned {len(self.optimizers)}; combine them"
+                " into one optimizer with several param groups"
+            )
+
     def _clip_grad_by_global_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
-        assert self._engine is not None
-        self._engine.clip_grad_norm_(float(clip_val))
+        assert self.engine is not None
+        self.engine.clip_grad_norm_(float(clip_val))
 
     @contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
         """Non-boundary micro-batches: no communication with ``grad_sync="boundary"``; reduce anyway otherwise."""
-        if self._engine is None or self.grad_sync == "microbatch":
+        engine = self.engine
+        if engine is None or self.grad_sync == "microbatch":
             yield None
             return
-        with self._engine.reducer.no_sync():
+        with engine.no_sync() if isinstance(engine, ShardedParams) else engine.reducer.no_sync():
             yield None
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        assert self._engine is not None
-        self._engine.after_step()
+        if self._engine is not None:
+            self._engine.after_step()  # stage 3 gathers on the next forward instead
         return output
+
+    def _forward_only(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        output = step(*args, **kwargs)
+        if self._params is not None:
+            self._params.reshard()  # the root unit stays gathered after a forward that has no backward
+        return output
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._forward_only(super().validation_step, *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._forward_only(super().test_step, *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._forward_only(super().predict_step, *args, **kwargs)
 
     # ------------------------------------------------------------ checkpoints
     @property
@@ -143,13 +231,21 @@ class ZeroStrategy(ScratchParallelStrategy):
         return False  # load_checkpoint restores the optimizer shards itself
 
     @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """Stage 3: the weights gathered (``"full"``, rank 0) or as per-parameter DTensors (``"sharded"``)."""
+        if self._params is None:
+            return super().lightning_module_state_dict()
+        return sp_state.model_state_dict(self._params, sharded=self.state_dict_type == "sharded")
+
+    @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """This rank's share of the optimizer state (collective: Lightning calls it on every rank when saving)."""
+        sharded = self.state_dict_type == "sharded"
+        if self._params is not None and self._params.optimizer is not None:
+            return sp_state.optimizer_state_dict(self._params, sharded=sharded)
         if self._engine is None:
             return super().optimizer_state(optimizer)
-        if self.state_dict_type == "sharded":
-            return self._engine.sharded_state_dict()
-        return self._engine.full_state_dict()
+        return self._engine.sharded_state_dict() if sharded else self._engine.full_state_dict()
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
@@ -166,14 +262,22 @@ class ZeroStrategy(ScratchParallelStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         assert self.lightning_module is not None
+        params, engine = self._params, self._engine
+        with_optimizer = engine is not None or (params is not None and params.optimizer is not None)
         self._restored_sharded = is_sharded_checkpoint(checkpoint_path)
         if not self._restored_sharded:
             checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-            if self._engine is not None and checkpoint.get("optimizer_states"):
-                self._engine.load_full_state_dict(checkpoint["optimizer_states"][0])
+            optimizer_state = (checkpoint.get("optimizer_states") or [None])[0]
+            if params is not None:
+                sp_state.load_model_state_dict(params, checkpoint["state_dict"])
+                if with_optimizer and optimizer_state:
+                    sp_state.load_optimizer_state_dict(params, optimizer_state, optimizer_state["param_groups"])
+            elif engine is not None and optimizer_state:
+                engine.load_full_state_dict(optimizer_state)
             return checkpoint
         metadata = read_metadata(checkpoint_path)
-        model_state = self.lightning_module.state_dict()  # views of the parameters: DCP loads in place
+        # Stage 1/2: views of the parameters, loaded in place. Stage 3: per-parameter DTensors.
+        model_state = sp_state.model_template(params) if params is not None else self.lightning_module.state_dict()
         for name, tensor in model_state.items():
             item = metadata.state_dict_metadata.get(f"model.{name}")
             if item is not None and tuple(item.size) != tuple(tensor.shape):
@@ -182,33 +286,50 @@ class ZeroStrategy(ScratchParallelStrategy):
                     f" {tuple(tensor.shape)} (size mismatch): {checkpoint_path}"
                 )
         tensors: dict[str, Any] = {"model": model_state}
-        has_optimizer = any(fqn.startswith("optimizer_0.") for fqn in metadata.state_dict_metadata)
-        if self._engine is not None and has_optimizer:
-            tensors["optimizer_0"] = self._engine.sharded_template(metadata, "optimizer_0")
+        if with_optimizer and any(fqn.startswith("optimizer_0.") for fqn in metadata.state_dict_metadata):
+            tensors["optimizer_0"] = (
+                sp_state.optimizer_template(params, metadata, "optimizer_0")
+                if params is not None
+                else engine.sharded_template(metadata, "optimizer_0")
+            )
         meta = load_sharded(checkpoint_path, tensors)
         param_groups = meta.pop("optimizer_param_groups", [])
+        if params is not None:
+            sp_state.load_model_state_dict(params, model_state)
         if "optimizer_0" in tensors:
-            self._engine.load_sharded_state_dict(tensors["optimizer_0"], param_groups[0])
+            if params is not None:
+                sp_state.load_optimizer_state_dict(params, tensors["optimizer_0"], param_groups[0])
+            else:
+                engine.load_sharded_state_dict(tensors["optimizer_0"], param_groups[0])
         return meta
 
     @override
     def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
-        if not self._restored_sharded:  # a sharded checkpoint was loaded in place by load_checkpoint
+        # load_checkpoint already loaded a sharded checkpoint (in place), or any checkpoint into stage 3's shards.
+        if not self._restored_sharded and self._params is None:
             super().load_model_state_dict(checkpoint, strict)
 
     @override
     def teardown(self) -> None:
-        # The engine (without its hooks) outlives the fit: the optimizer stays sharded, and a
-        # ``trainer.save_checkpoint`` after ``fit`` must still gather the full optimizer state.
-        if self._engine is not None:
-            self._engine.remove()
-            self.precision_plugin.__dict__.pop("clip_grad_by_norm", None)
-        super().teardown()
+        # The engine outlives the fit: the optimizer stays sharded, and a ``trainer.save_checkpoint`` after ``fit``
+        # must still gather the full optimizer state.
+        self.precision_plugin.__dict__.pop("clip_grad_by_norm", None)
+        if self.stage != 3:
+            if self._engine is not None:
+                self._engine.remove()  # the model is whole again; only the reducer's hooks go
+            return super().teardown()
+        # Stage 3 keeps the model sharded where it is, hooks included, so ``trainer.test`` or a forward after fit (on
+        # every rank) gathers as usual; Lightning's move of the model to the CPU would allocate every parameter.
+        assert self.cluster_environment is not None and self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+        self.checkpoint_io.teardown()
 
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        for stage in (1, 2):
+        for stage in STAGES:
             cls._register(strategy_registry, f"zero{stage}_scratch", f"From-scratch ZeRO stage {stage}", stage=stage)
             cls._register(
                 strategy_registry,

@@ -8,15 +8,21 @@ The reference replays exactly what Lightning does with N data-parallel ranks, bu
 - each micro-batch loss is divided by ``accumulate_grad_batches``, also in a short last window of an epoch, and the
   optimizer steps at the end of each window and at the end of the epoch;
 - norm clipping, then ``AdamW.step``, then the per-step LR scheduler.
+
+Two models: ``"mlp"`` (the default; LayerNorm and biases in a no-decay group) and ``"gpt"``, a two-block causal
+transformer whose token embedding is tied to its LM head. ``ParityModule(build_in_configure_model=True)`` builds the
+net in ``configure_model`` (on the meta device under ZeRO-3); ``make_net`` seeds itself, so every build is identical.
 """
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import lightning as L
 import torch
 from torch import nn
+from torch.nn import functional as F
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 
@@ -31,6 +37,7 @@ class ParityConfig:
     lr: float = 2e-2
     seed: int = 7
     optimizer: str = "adamw"  # "sgd" (momentum, no clipping) is sensitive to the gradient's scale; AdamW is not
+    model: str = "mlp"  # or "gpt"
 
     @property
     def dataset_size(self) -> int:
@@ -43,15 +50,56 @@ class ParityConfig:
         return windows_per_epoch * self.max_epochs
 
 
+VOCAB, CONTEXT, WIDTH = 13, 8, 16
+
+
 def make_dataset(config: ParityConfig) -> TensorDataset:
     g = torch.Generator().manual_seed(1234)
+    if config.model == "gpt":
+        tokens = torch.randint(0, VOCAB, (config.dataset_size, CONTEXT + 1), generator=g)
+        return TensorDataset(tokens[:, :-1], tokens[:, 1:])
     x = torch.randn(config.dataset_size, 6, generator=g)
     y = torch.randn(config.dataset_size, 3, generator=g)
     return TensorDataset(x, y)
 
 
-def make_net() -> nn.Module:
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        # No qkv bias: the key bias has a zero gradient in exact arithmetic (softmax ignores it), and AdamW would
+        # turn its rounding noise into full-size steps that differ between any two summation orders.
+        self.ln_1, self.qkv = nn.LayerNorm(WIDTH), nn.Linear(WIDTH, 3 * WIDTH, bias=False)
+        self.proj = nn.Linear(WIDTH, WIDTH)
+        self.ln_2, self.fc = nn.LayerNorm(WIDTH), nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = (z.view(b, t, 2, WIDTH // 2).transpose(1, 2) for z in self.qkv(self.ln_1(x)).chunk(3, dim=-1))
+        x = x + self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, -1))
+        return x + self.fc(torch.tanh(self.ln_2(x)))
+
+
+class TinyGPT(nn.Module):
+    """Two blocks, token embedding tied to the LM head (a weight shared by the first and the last module)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(VOCAB, WIDTH), nn.Embedding(CONTEXT, WIDTH)
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.ln_f, self.head = nn.LayerNorm(WIDTH), nn.Linear(WIDTH, VOCAB, bias=False)
+        self.head.weight = self.wte.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def make_net(model: str = "mlp") -> nn.Module:
     torch.manual_seed(0)
+    if model == "gpt":
+        return TinyGPT()
     return nn.Sequential(nn.Linear(6, 16), nn.LayerNorm(16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
 
 
@@ -68,15 +116,25 @@ def make_optimizer(
 
 
 def loss_fn(net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return nn.functional.mse_loss(net(x), y)
+    out = net(x)
+    if out.ndim == 3:  # token logits
+        return F.cross_entropy(out.flatten(0, 1), y.flatten())
+    return F.mse_loss(out, y)
 
 
 class ParityModule(L.LightningModule):
-    def __init__(self, lr: float = 2e-2, optimizer: str = "adamw") -> None:
+    def __init__(
+        self, lr: float = 2e-2, optimizer: str = "adamw", model: str = "mlp", build_in_configure_model: bool = False
+    ) -> None:
         super().__init__()
         self.lr = lr
         self.optimizer_kind = optimizer
-        self.net = make_net()
+        self.model_kind = model
+        self.net = None if build_in_configure_model else make_net(model)
+
+    def configure_model(self) -> None:
+        if self.net is None:
+            self.net = make_net(self.model_kind)
 
     def training_step(self, batch, batch_idx):
         return loss_fn(self.net, *batch)
@@ -116,13 +174,15 @@ def fit_lightning(config: ParityConfig, strategy, **trainer_kwargs) -> dict[str,
     trainer = make_trainer(config, strategy, **trainer_kwargs)
     trainer.fit(module, train_loader(config))
     assert trainer.global_step == config.optimizer_steps, (trainer.global_step, config.optimizer_steps)
-    return {k: v.detach().cpu().clone() for k, v in module.net.state_dict().items()}
+    engine = getattr(trainer.strategy, "engine", None)  # ZeRO-3 keeps the model sharded: gather it (collective)
+    with engine.summon_full_params() if hasattr(engine, "summon_full_params") else nullcontext():
+        return {k: v.detach().cpu().clone() for k, v in module.net.state_dict().items()}
 
 
 def reference_params(config: ParityConfig) -> dict[str, torch.Tensor]:
     """Single-process plain PyTorch run on the same global batches (see the module docstring)."""
     dataset = make_dataset(config)
-    net = make_net()
+    net = make_net(config.model)
     optimizer, scheduler = make_optimizer(net, config.lr, config.optimizer)
     g = config.accumulate_grad_batches
     for epoch in range(config.max_epochs):
@@ -153,3 +213,12 @@ def reference_params(config: ParityConfig) -> dict[str, torch.Tensor]:
 def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys()
     return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def assert_optimizer_states_equal(a: dict, b: dict) -> None:
+    """Two optimizer state dicts (unsharded format) hold the same hyper-parameters and bit-identical tensors."""
+    assert a["param_groups"] == b["param_groups"]
+    assert a["state"].keys() == b["state"].keys()
+    for index, state in a["state"].items():
+        for key, value in state.items():
+            assert torch.equal(value, b["state"][index][key]), (index, key)

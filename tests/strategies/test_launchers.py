@@ -194,10 +194,11 @@ def dist_env(monkeypatch: pytest.MonkeyPatch) -> int:
 
 
 @pytest.mark.timeout(TEST_TIMEOUT)
-def test_popen_two_processes(tmp_path: Path) -> None:
+@pytest.mark.parametrize("strategy", ["ddp_scratch", "zero3_scratch"])
+def test_popen_two_processes(tmp_path: Path, strategy: str) -> None:
     config = ParityConfig(world_size=2, accumulate_grad_batches=3)  # 8 % 3 != 0: short last window
     out = tmp_path / "params.pt"
-    cmd = [sys.executable, *_script_args(out, devices=2, accumulate=3)]
+    cmd = [sys.executable, *_script_args(out, devices=2, accumulate=3, strategy=strategy)]
     _run_concurrently([cmd], _clean_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())))
     assert_run_matches_reference(out, config)
 

@@ -21,6 +21,8 @@ NAMES = {
     "zero1_scratch_spawn": (ZeroStrategy, {"stage": 1, "start_method": "spawn"}),
     "zero2_scratch": (ZeroStrategy, {"stage": 2}),
     "zero2_scratch_spawn": (ZeroStrategy, {"stage": 2, "start_method": "spawn"}),
+    "zero3_scratch": (ZeroStrategy, {"stage": 3}),
+    "zero3_scratch_spawn": (ZeroStrategy, {"stage": 3, "start_method": "spawn"}),
 }
 
 

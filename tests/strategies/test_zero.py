@@ -21,6 +21,7 @@ from lightning_zero.memory import model_state_bytes
 from tests.helpers.parity import (
     ParityConfig,
     ParityModule,
+    assert_optimizer_states_equal,
     fit_lightning,
     make_trainer,
     max_abs_diff,
@@ -192,14 +193,6 @@ def _straight_save_resume(stage: int, ckpt: str, state_dict_type: str) -> dict:
     return {"straight": straight["params"], "saved_state": saved["state"], "resumed": resumed}
 
 
-def _assert_state_equal(a: dict, b: dict) -> None:
-    assert a["param_groups"] == b["param_groups"]
-    assert a["state"].keys() == b["state"].keys()
-    for index, state in a["state"].items():
-        for key, value in state.items():
-            assert torch.equal(value, b["state"][index][key]), (index, key)
-
-
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("state_dict_type", ["sharded", "full"])
 @pytest.mark.parametrize("stage", [1, 2])
@@ -209,13 +202,13 @@ def test_resume_is_bit_identical_and_reshards_to_another_world_size(tmp_path, st
     assert ckpt.is_dir() == (state_dict_type == "sharded")
     assert max_abs_diff(result["straight"], result["resumed"]["params"]) == 0.0
     saved_state = result["saved_state"]
-    _assert_state_equal(result["resumed"]["state"], saved_state)
+    assert_optimizer_states_equal(result["resumed"]["state"], saved_state)
     if state_dict_type == "full":
-        _assert_state_equal(torch.load(ckpt, weights_only=False)["optimizer_states"][0], saved_state)
+        assert_optimizer_states_equal(torch.load(ckpt, weights_only=False)["optimizer_states"][0], saved_state)
     # N=2 -> N=3: every rank of the new world restores the same full optimizer state, then trains on
     resharded = run_workers(_resume, 3, 3, stage, str(ckpt), timeout=300)
     for rank_result in resharded:
-        _assert_state_equal(rank_result["state"], saved_state)
+        assert_optimizer_states_equal(rank_result["state"], saved_state)
         assert all(torch.isfinite(v).all() for v in rank_result["params"].values())
 
 

@@ -1,0 +1,77 @@
+"""ZeRO-3 storage: a unit's flat *segments* (shard, unsharded flat, gradients) and the unit's gather state.
+
+See [Note: tensor roles] in ``lightning_zero/sharded_params.py`` for how the engine uses each tensor, and
+[Note: flat layout] in ``lightning_zero/partition.py`` for the layout math.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_zero import collectives as comm
+from lightning_zero.partition import flat_layout
+from lightning_zero.units import UnitPlan
+
+
+class UnitState(enum.Enum):
+    SHARDED = "sharded"  # only shards exist; module parameters are placeholders
+    GATHERING = "gathering"  # all-gathers in flight into the unsharded flats
+    GATHERED = "gathered"  # module parameters are views of the unsharded flats
+
+
+class Segment:
+    """One flat buffer of a unit: its parameters of one key (optimizer param group, or frozen)."""
+
+    def __init__(
+        self, key: int | str, params: list[nn.Parameter], names: list[str], world_size: int, rank: int, device: Any
+    ) -> None:
+        self.key, self.params, self.names = key, params, names
+        self.layout = flat_layout([p.numel() for p in params], world_size)
+        dtype = params[0].dtype
+        self.start, self.end = self.layout.shard_range(rank)
+        self.shard = nn.Parameter(torch.zeros(self.end - self.start, dtype=dtype, device=device))
+        self.full = torch.empty(self.layout.padded_numel, dtype=dtype, device=device)
+        self.views = [self.full.narrow(0, o, p.numel()).view(p.shape) for p, o in zip(params, self.layout.offsets)]
+        self.full.untyped_storage().resize_(0)  # views first: they are checked against the storage's size
+        self.grad_full: Tensor | None = None
+        self.filled: list[bool] = []  # which parameters' gradients grad_full holds
+        self.grad_acc: Tensor | None = None  # persistent storage of shard.grad (allocated at the first reduction)
+        self._rank = rank
+
+    def zero_unfilled(self) -> None:
+        """Zero the parts of ``grad_full`` no gradient was copied into (unused parameters, padding)."""
+        assert self.grad_full is not None
+        for filled, p, offset in zip(self.filled, self.params, self.layout.offsets):
+            if not filled:
+                self.grad_full.narrow(0, offset, p.numel()).zero_()
+        self.grad_full.narrow(0, self.layout.numel, self.layout.padded_numel - self.layout.numel).zero_()
+
+    @property
+    def nbytes(self) -> int:
+        return self.layout.padded_numel * self.full.element_size()
+
+    def load_param(self, i: int, value: Tensor, target: Tensor | None = None) -> None:
+        """Copy this rank's piece of parameter ``i`` (its full ``value``) into the shard (or a shard-shaped
+        ``target``, e.g. an optimizer state)."""
+        target = self.shard.data if target is None else target
+        for index, in_param, in_shard, length in self.layout.param_pieces(self._rank):
+            if index == i:
+                target.narrow(0, in_shard, length).copy_(value.reshape(-1).narrow(0, in_param, length))
+
+
+class Unit:
+    def __init__(self, index: int, plan: UnitPlan) -> None:
+        self.index, self.plan = index, plan
+        self.segments: list[Segment] = []
+        self.state = UnitState.SHARDED
+        self.handles: list[comm.Handle | None] = []
+        self.expected = self.arrived = 0  # trainable parameters; gradients arrived in this backward
+        self.backward_started = False
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        return [p for s in self.segments for p in s.params]

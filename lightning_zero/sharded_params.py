@@ -1,0 +1,400 @@
+"""ZeRO stage 3: parameters sharded per unit, gathered just before use (with prefetch) and freed right after.
+
+Runbook::
+
+    engine = ShardedParams(model, auto_wrap_policy={Block}, device=device)  # shards (or builds, if on meta) the model
+    optimizer = torch.optim.AdamW(model.parameters())                       # the user's optimizer, as usual
+    engine.attach_optimizer(optimizer)       # rebuilt in place over this rank's flat shards
+    loss = model(x).sum(); loss.backward()   # units gathered/freed by hooks; gradients reduce-scattered per unit
+    engine.clip_grad_norm_(1.0); optimizer.step(); optimizer.zero_grad()
+
+[Note: tensor roles] (units: [Note: units] in ``lightning_zero/units.py``; layout: [Note: flat layout] in
+``lightning_zero/partition.py``) A unit's parameters are split into *segments*: one per optimizer param group (and one
+for frozen parameters), each laid out flat and padded to a multiple of N.
+
+- *shard* (``segment.shard``): an ``nn.Parameter`` with this rank's ``padded / N`` elements of the segment; the only
+  persistent copy of the weights. The user's optimizer is rebuilt to step the shards (8Ψ/N of AdamW state).
+- *unsharded flat* (``segment.full``): the all-gather output. Its storage is resized to the full size for a gather
+  and back to 0 bytes when the unit is freed, so the module's parameters can be views of it, and so can tensors
+  autograd saved for backward (they see the storage again when backward re-gathers the unit).
+- *module parameter*: the user's ``nn.Parameter`` objects stay (the optimizer, ``named_parameters`` and shapes work
+  as usual). Gathered, ``p.data`` is a view of the unsharded flat; sharded, it is a *placeholder*: one zero element
+  expanded to ``p``'s shape (full shape, 4 bytes, reads as zeros, in-place writes fail).
+- *unsharded gradient* (``segment.grad_full``): the unit's gradients gathered into one flat buffer as autograd
+  produces them (``p.grad`` is dropped at once), reduce-scattered (average) when the unit's last gradient arrives.
+  The result is added to ``shard.grad``, the persistent 4Ψ/N accumulator.
+
+Per step: forward gathers each unit (4Ψ, while the next unit's gather is in flight) and frees it after its forward,
+unless ``reshard_after_forward=False``; backward re-gathers it (another 4Ψ, prefetching the unit that ran before it),
+reduce-scatters its gradients (4Ψ) and frees everything. The root unit is gathered on first use and kept until its
+gradients are reduced (its weights, e.g. embedding and LM head, are used at both ends of the model).
+
+``grad_sync="microbatch"`` (default) reduces every backward into ``shard.grad``; ``"boundary"`` keeps each segment's
+unsharded gradient through the non-boundary micro-batches (inside :meth:`no_sync`: no communication, +4Ψ) and
+reduces once at the boundary. Both are exact.
+
+[Note: gather sequence check] ZeRO-3 hangs or corrupts weights when ranks gather units in different orders (a
+data-dependent branch that skips a unit on one rank). Before every gather, the ranks exchange ``(unit index,
+gather count)`` (16 bytes, on a gloo group) and raise an error naming both units if they disagree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten
+
+from lightning_zero import collectives as comm
+from lightning_zero.materialize import build_meta_modules, load_real_tensors
+from lightning_zero.segments import Segment, Unit, UnitState
+from lightning_zero.sharded_optimizer import GRAD_SYNC_MODES, check_in_optimizer, clip_grad_norm_
+from lightning_zero.units import ROOT, plan_units
+
+FROZEN, TRAINABLE = "frozen", "trainable"
+"""Segment keys before :meth:`ShardedParams.attach_optimizer` (after it, trainable keys are param group indices)."""
+
+MAX_PENDING_REDUCTIONS = 1
+"""Reduce-scatters left in flight while backward continues (each holds one unit's unsharded gradient)."""
+
+
+class ShardedParams:
+    """ZeRO-3 over ``module``: see the module docstring.
+
+    Args:
+        module: the model, with real parameters (sharded from rank 0's values) or on the meta device (built here
+            module by module with ``reset_parameters()``, each rank keeping only its pieces).
+        auto_wrap_policy / min_num_params: how units are chosen ([Note: units]).
+        reshard_after_forward: free a unit after its forward (``True``) or keep it until its backward.
+        grad_sync: ``"microbatch"`` or ``"boundary"``.
+        device: where shards and gathered parameters live.
+        rng_state: ``{"cpu": state, "cuda": state}`` to build meta-device modules from ([Note: meta initialisation]
+            in ``lightning_zero/materialize.py``); default: the current RNG state.
+        group: process group (``None``: the default group).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        auto_wrap_policy: set[type] | None = None,
+        min_num_params: int | None = None,
+        reshard_after_forward: bool = True,
+        grad_sync: str = "microbatch",
+        device: torch.device | str = "cpu",
+        rng_state: Mapping[str, Tensor] | None = None,
+        group: Any = None,
+    ) -> None:
+        if grad_sync not in GRAD_SYNC_MODES:
+            raise ValueError(f"grad_sync={grad_sync!r} is invalid: expected one of {GRAD_SYNC_MODES}")
+        self.module, self.group, self.device = module, group, torch.device(device)
+        self.reshard_after_forward, self.grad_sync = reshard_after_forward, grad_sync
+        self.world_size, self.rank = comm.world_size(group), comm.rank(group)
+        self.require_backward_grad_sync = True
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.original_groups: list[list[nn.Parameter]] = []
+        self._placeholders: dict[tuple, Tensor] = {}
+        self._names = {id(p): name for name, p in module.named_parameters()}
+        self.units = [Unit(i, plan) for i, plan in enumerate(plan_units(module, auto_wrap_policy, min_num_params))]
+        for unit in self.units:
+            params = [module.get_parameter(name) for name in unit.plan.param_names]
+            self._build_segments(unit, [TRAINABLE if p.requires_grad else FROZEN for p in params], params)
+        load_real_tensors(module, self._load_param, self.device, group)
+        build_meta_modules(module, self._load_param, self.device, rng_state, group)
+        # A group of its own: on the data group the check would queue behind in-flight gathers and reductions.
+        ranks = dist.get_process_group_ranks(group or dist.group.WORLD) if self.world_size > 1 else None
+        self._check_group = dist.new_group(ranks, backend="gloo") if ranks else group
+        self._gathers = 0
+        self._order: list[int] = []  # units in the order this pass gathered them in forward
+        self._last_order = [u.index for u in self.units]  # the previous pass's (prefetch guide)
+        self._pending: list[tuple[Segment, Tensor, Tensor, comm.Handle | None]] = []
+        self._cache: dict[tuple[int, torch.dtype], list[Tensor]] = {}  # transient buffers reused within a step
+        self._callback_queued = False
+        self._hooks = self._register_hooks()
+
+    # ------------------------------------------------------------ construction
+    def _build_segments(self, unit: Unit, keys: list[int | str], params: list[nn.Parameter]) -> None:
+        unit.segments = []
+        for key in dict.fromkeys(keys):
+            members = [p for p, k in zip(params, keys) if k == key]
+            dtypes = {p.dtype for p in members}
+            if len(dtypes) > 1:
+                raise ValueError(f"unit {unit.plan.label!r} mixes dtypes {sorted(map(str, dtypes))} in one segment")
+            names = [self._names[id(p)] for p in members]
+            unit.segments.append(Segment(key, members, names, self.world_size, self.rank, self.device))
+        unit.expected = sum(p.requires_grad for p in unit.params)
+        self._where = {id(p): (u, s, i) for u in self.units for s in u.segments for i, p in enumerate(s.params)}
+
+    def _placeholder(self, p: Tensor) -> Tensor:
+        if p.dtype not in self._placeholders:
+            self._placeholders[p.dtype] = torch.zeros((), dtype=p.dtype, device=self.device)
+        return self._placeholders[p.dtype].expand(p.shape)
+
+    def _load_param(self, p: nn.Parameter) -> None:
+        _, segment, i = self._where[id(p)]
+        segment.load_param(i, p.data)
+        p.data = self._placeholder(p)
+
+    def _register_hooks(self) -> list[Any]:
+        hooks = []
+        for unit in self.units:
+            if unit.plan.name == ROOT:
+                owners = {id(m): m for p in unit.params for m in self.module.modules() if _owns(m, p)}
+                for m in owners.values():
+                    hooks.append(m.register_forward_pre_hook(partial(self._pre_forward, unit)))
+                continue
+            m = self.module.get_submodule(unit.plan.name)
+            hooks.append(m.register_forward_pre_hook(partial(self._pre_forward, unit)))
+            hooks.append(m.register_forward_hook(partial(self._post_forward, unit)))
+        for unit in self.units:
+            for p in unit.params:
+                if p.requires_grad:
+                    hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+        return hooks
+
+    # ------------------------------------------------------------ gather / free
+    def _check_sequence(self, unit: Unit) -> None:
+        """[Note: gather sequence check]. Blocking, and before the data gathers are launched: a mismatched gather
+        left in flight would hang the process group, even its destruction."""
+        mine = torch.tensor([unit.index, self._gathers], dtype=torch.int64)
+        everyone = torch.empty(2 * self.world_size, dtype=torch.int64)
+        comm.all_gather(everyone, mine, group=self._check_group, tag="gather_check")
+        for r, (index, count) in enumerate(everyone.view(-1, 2).tolist()):
+            if index != unit.index:
+                raise RuntimeError(
+                    f"ZeRO-3 gather sequence diverged at gather #{count}: rank {self.rank} gathers unit"
+                    f" {unit.plan.label!r} while rank {r} gathers unit {self.units[index].plan.label!r}. Every rank"
+                    " must run the sharded units the same number of times in the same order (no data-dependent"
+                    " skipping or repeating of a unit)"
+                )
+        self._gathers += 1
+
+    def _gather(self, unit: Unit) -> None:
+        """Launch the unit's all-gathers (asynchronous)."""
+        if unit.state is not UnitState.SHARDED or not unit.segments:
+            return
+        unit.handles = []
+        if self.world_size > 1:
+            self._check_sequence(unit)
+        for s in unit.segments:
+            s.full.untyped_storage().resize_(s.nbytes)
+            unit.handles.append(
+                comm.all_gather(s.full, s.shard.detach(), group=self.group, async_op=True, tag="params")
+            )
+        unit.state = UnitState.GATHERING
+
+    def _wait(self, unit: Unit) -> None:
+        if unit.state is UnitState.GATHERING:
+            for handle in unit.handles:
+                handle.wait()
+            unit.handles = []
+            for s in unit.segments:
+                for p, view in zip(s.params, s.views):
+                    p.data = view
+            unit.state = UnitState.GATHERED
+
+    def _free(self, unit: Unit) -> None:
+        if unit.state is UnitState.SHARDED:
+            return
+        self._wait(unit)
+        for s in unit.segments:
+            for p in s.params:
+                p.data = self._placeholder(p)
+            s.full.untyped_storage().resize_(0)
+        unit.state = UnitState.SHARDED
+
+    def reshard(self) -> None:
+        """Free every gathered unit (after an evaluation step; at the end of each backward by itself)."""
+        for unit in self.units:
+            self._free(unit)
+        self._last_order, self._order = self._order or self._last_order, []
+
+    @contextmanager
+    def summon_full_params(self) -> Iterator[None]:
+        """Inside, every module parameter holds its full value (read-only: writes do not reach the shards)."""
+        for unit in self.units:
+            self._gather(unit)
+            self._wait(unit)
+        try:
+            yield
+        finally:
+            self.reshard()
+
+    # ------------------------------------------------------------ forward
+    def _pre_forward(self, unit: Unit, module: nn.Module, args: Any) -> None:
+        if unit.state is UnitState.GATHERED:
+            return
+        self._gather(unit)
+        self._wait(unit)
+        self._order.append(unit.index)
+        position = len(self._order)
+        if position < len(self._last_order):  # prefetch what ran next last time
+            self._gather(self.units[self._last_order[position]])
+
+    def _post_forward(self, unit: Unit, module: nn.Module, args: Any, output: Any) -> None:
+        tensors = [t for t in tree_flatten(output)[0] if isinstance(t, Tensor) and t.requires_grad]
+        if torch.is_grad_enabled() and tensors:
+            unit.backward_started = False
+            for t in tensors:
+                t.register_hook(partial(self._pre_backward, unit))
+            if not self.reshard_after_forward:
+                return
+        self._free(unit)
+
+    # ------------------------------------------------------------ backward
+    def _pre_backward(self, unit: Unit, grad: Tensor) -> None:
+        if not self._callback_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+            self._callback_queued = True
+        if unit.backward_started:
+            return
+        unit.backward_started = True
+        self._gather(unit)
+        self._wait(unit)
+        if unit.index in self._order:  # prefetch the unit that ran just before this one
+            last = len(self._order) - 1 - self._order[::-1].index(unit.index)
+            if last > 0:
+                self._gather(self.units[self._order[last - 1]])
+
+    def _on_grad(self, p: Tensor) -> None:
+        if p.grad is None:
+            return
+        unit, segment, i = self._where[id(p)]
+        if segment.grad_full is None:  # not zeroed: each gradient is copied in, gaps are zeroed before reducing
+            segment.grad_full, segment.filled = self._take(segment.full), [False] * len(segment.params)
+        region = segment.grad_full.narrow(0, segment.layout.offsets[i], p.numel())
+        if segment.filled[i]:
+            region.add_(p.grad.reshape(-1))
+        else:
+            region.copy_(p.grad.reshape(-1))
+        segment.filled[i] = True
+        p.grad = None
+        unit.arrived += 1
+        if unit.arrived == unit.expected:
+            self._unit_done(unit)
+
+    def _unit_done(self, unit: Unit) -> None:
+        if self.require_backward_grad_sync:
+            for s in unit.segments:
+                if s.grad_full is None:
+                    continue
+                s.zero_unfilled()
+                if s.grad_acc is None:
+                    s.grad_acc = torch.empty_like(s.shard)
+                first = s.shard.grad is None and all(p[0] is not s for p in self._pending)  # of this window
+                out = s.grad_acc if first else self._take(s.shard)
+                handle = comm.reduce_scatter(out, s.grad_full, "avg", group=self.group, async_op=True, tag="grads")
+                self._pending.append((s, out, s.grad_full, handle))
+                s.grad_full = None
+            while len(self._pending) > MAX_PENDING_REDUCTIONS:
+                self._finish_reduction()
+        unit.arrived = -1  # done for this pass
+        self._free(unit)
+
+    def _finish_reduction(self) -> None:
+        segment, out, grad_full, handle = self._pending.pop(0)
+        handle.wait()
+        self._give(grad_full)
+        if out is segment.grad_acc:
+            segment.shard.grad = out
+        else:
+            segment.shard.grad.add_(out)
+            self._give(out)
+
+    def _take(self, like: Tensor) -> Tensor:
+        """An uninitialised buffer shaped like ``like``, reused within a step: reallocating (and page-faulting)
+        every unit's gradient buffers costs more than the communication they feed."""
+        free = self._cache.get((like.numel(), like.dtype), [])
+        return free.pop() if free else torch.empty_like(like)
+
+    def _give(self, buffer: Tensor) -> None:
+        self._cache.setdefault((buffer.numel(), buffer.dtype), []).append(buffer)
+
+    def _end_backward(self) -> None:
+        try:
+            for unit in self.units:  # units with unused trainable parameters: the rest reduced as zeros
+                if unit.arrived > 0:
+                    self._unit_done(unit)
+            while self._pending:
+                self._finish_reduction()
+        finally:
+            for unit in self.units:
+                unit.arrived = 0
+            self._callback_queued = False
+            self._cache.clear()  # nothing unsharded survives the step
+            self.reshard()
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside keep unsharded gradients and communicate nothing (``grad_sync="boundary"``)."""
+        previous, self.require_backward_grad_sync = self.require_backward_grad_sync, False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = previous
+
+    # ------------------------------------------------------------ optimizer
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Rebuild ``optimizer`` (built over the module's parameters, no state yet) in place over the shards."""
+        if optimizer.state:
+            raise ValueError("the optimizer already has state: ZeRO must shard it before the first step")
+        group_of = {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
+        unknown = [i for i in group_of if i not in self._names]
+        if unknown:
+            raise ValueError(f"the optimizer holds {len(unknown)} tensor(s) that are not module parameters")
+        check_in_optimizer([n for n, p in self.module.named_parameters() if p.requires_grad and id(p) not in group_of])
+        for unit in self.units:
+            params = unit.params
+            keys = [group_of[id(p)] if p.requires_grad else FROZEN for p in params]
+            if keys != [s.key for s in unit.segments for _ in s.params]:
+                self._resegment(unit, keys, params)
+        self.optimizer = optimizer
+        self.original_groups = [list(group["params"]) for group in optimizer.param_groups]
+        for g, group in enumerate(optimizer.param_groups):
+            group["params"] = [s.shard for u in self.units for s in u.segments if s.key == g]
+            if not group["params"]:
+                raise ValueError(f"param group {g} has no trainable parameters: drop the group or unfreeze some")
+
+    def _resegment(self, unit: Unit, keys: list[int | str], params: list[nn.Parameter]) -> None:
+        """Re-lay ``unit`` with one segment per key (one unit gathered at a time)."""
+        self._gather(unit)
+        self._wait(unit)
+        values = {id(p): p.detach().clone() for p in params}
+        self._free(unit)
+        self._build_segments(unit, keys, params)
+        for s in unit.segments:
+            for i, p in enumerate(s.params):
+                s.load_param(i, values[id(p)])
+
+    @property
+    def segments(self) -> list[Segment]:
+        return [s for u in self.units for s in u.segments]
+
+    @property
+    def shard_params(self) -> list[nn.Parameter]:
+        return [s.shard for s in self.segments]
+
+    @property
+    def strategy_buffers(self) -> list[Tensor]:
+        """Persistent tensors beyond shards, their gradients and optimizer state (unsharded flats: 0 bytes)."""
+        persistent = [s.full for s in self.segments] + [s.grad_acc for s in self.segments if s.grad_acc is not None]
+        return persistent + list(self._placeholders.values())
+
+    def clip_grad_norm_(self, max_norm: float) -> Tensor:
+        """Global-norm clipping over every rank's shard gradients (see ``clip_grad_norm_`` in sharded_optimizer)."""
+        grads = [s.shard.grad for s in self.segments if s.shard.grad is not None]
+        return clip_grad_norm_(grads, max_norm, group=self.group, device=self.device)
+
+    def remove(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+
+def _owns(m: nn.Module, p: Tensor) -> bool:
+    return any(q is p for q in m._parameters.values())
