@@ -40,8 +40,10 @@ gather count)`` (16 bytes, on a gloo group) and raise an error naming both units
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from datetime import timedelta
 from functools import partial
 from typing import Any
 
@@ -59,6 +61,9 @@ from lightning_zero.units import ROOT, plan_units
 FROZEN, TRAINABLE = "frozen", "trainable"
 """Segment keys before :meth:`ShardedParams.attach_optimizer` (after it, trainable keys are param group indices)."""
 
+_ENGINES: weakref.WeakKeyDictionary[nn.Module, weakref.ref[ShardedParams]] = weakref.WeakKeyDictionary()
+"""Module -> its engine (weak both ways: the module's hooks keep the engine alive as long as the module lives)."""
+
 MAX_PENDING_REDUCTIONS = 1
 """Reduce-scatters left in flight while backward continues (each holds one unit's unsharded gradient)."""
 
@@ -75,6 +80,8 @@ class ShardedParams:
         device: where shards and gathered parameters live.
         rng_state: ``{"cpu": state, "cuda": state}`` to build meta-device modules from ([Note: meta initialisation]
             in ``lightning_zero/materialize.py``); default: the current RNG state.
+        timeout: of the gather-sequence check's own process group (``None``: torch's default); pass the main
+            group's, so a rank that stops gathering makes the others fail as soon as on the main group.
         group: process group (``None``: the default group).
     """
 
@@ -88,10 +95,14 @@ class ShardedParams:
         grad_sync: str = "microbatch",
         device: torch.device | str = "cpu",
         rng_state: Mapping[str, Tensor] | None = None,
+        timeout: timedelta | None = None,
         group: Any = None,
     ) -> None:
         if grad_sync not in GRAD_SYNC_MODES:
             raise ValueError(f"grad_sync={grad_sync!r} is invalid: expected one of {GRAD_SYNC_MODES}")
+        if ShardedParams.of(module) is not None:
+            raise ValueError("the module is sharded already (by an earlier fit): reuse ShardedParams.of(module)")
+        _ENGINES[module] = weakref.ref(self)
         self.module, self.group, self.device = module, group, torch.device(device)
         self.reshard_after_forward, self.grad_sync = reshard_after_forward, grad_sync
         self.world_size, self.rank = comm.world_size(group), comm.rank(group)
@@ -108,7 +119,7 @@ class ShardedParams:
         build_meta_modules(module, self._load_param, self.device, rng_state, group)
         # A group of its own: on the data group the check would queue behind in-flight gathers and reductions.
         ranks = dist.get_process_group_ranks(group or dist.group.WORLD) if self.world_size > 1 else None
-        self._check_group = dist.new_group(ranks, backend="gloo") if ranks else group
+        self._check_group = dist.new_group(ranks, timeout=timeout, backend="gloo") if ranks else group
         self._gathers = 0
         self._order: list[int] = []  # units in the order this pass gathered them in forward
         self._last_order = [u.index for u in self.units]  # the previous pass's (prefetch guide)
@@ -116,6 +127,12 @@ class ShardedParams:
         self._cache: dict[tuple[int, torch.dtype], list[Tensor]] = {}  # transient buffers reused within a step
         self._callback_queued = False
         self._hooks = self._register_hooks()
+
+    @staticmethod
+    def of(module: nn.Module) -> ShardedParams | None:
+        """The engine that shards ``module``, if any (its hooks and shards outlive a fit)."""
+        ref = _ENGINES.get(module)
+        return ref() if ref is not None else None
 
     # ------------------------------------------------------------ construction
     def _build_segments(self, unit: Unit, keys: list[int | str], params: list[nn.Parameter]) -> None:

@@ -34,6 +34,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -46,6 +47,16 @@ from lightning_zero.strategies.base import ScratchParallelStrategy
 
 STAGES = (1, 2, 3)
 STATE_DICT_TYPES = ("sharded", "full")
+
+
+class _FullWeightsLauncher(_MultiProcessingLauncher):
+    """Spawn launcher for stage 3: rank 0's weights go back to the main process gathered, not as placeholders."""
+
+    @override
+    def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> Any:
+        engine = trainer.strategy.engine  # type: ignore[attr-defined]
+        with engine.summon_full_params() if isinstance(engine, ShardedParams) else nullcontext():
+            return super()._collect_rank_zero_results(trainer, results)
 
 
 class ZeroStrategy(ScratchParallelStrategy):
@@ -117,6 +128,12 @@ class ZeroStrategy(ScratchParallelStrategy):
         """The ZeRO engine of the current (or last) fit, else ``None``."""
         return self._params if self.stage == 3 else self._engine
 
+    @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        if self.stage == 3 and isinstance(self._launcher, _MultiProcessingLauncher):
+            self._launcher = _FullWeightsLauncher(self, start_method=self._start_method)
+
     @contextmanager
     @override
     def model_sharded_context(self) -> Generator[None, None, None]:
@@ -153,7 +170,13 @@ class ZeroStrategy(ScratchParallelStrategy):
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         self.precision_plugin.convert_module(self.model)
-        if self._params is None or self._params.module is not self.model:
+        self._params = ShardedParams.of(self.model)  # a model that an earlier fit sharded stays sharded
+        if self._params is not None and self._params.world_size != self.world_size:
+            raise ValueError(
+                f"the model is sharded over {self._params.world_size} ranks by an earlier fit: this run has"
+                f" {self.world_size}; save a checkpoint and load it into a fresh model instead"
+            )
+        if self._params is None:
             self._params = ShardedParams(
                 self.model,
                 auto_wrap_policy=self.auto_wrap_policy,
@@ -162,6 +185,7 @@ class ZeroStrategy(ScratchParallelStrategy):
                 grad_sync=self.grad_sync,
                 device=self.root_device,
                 rng_state=self._init_rng_state,
+                timeout=self._timeout,
             )
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)

@@ -37,7 +37,7 @@ class ParityConfig:
     lr: float = 2e-2
     seed: int = 7
     optimizer: str = "adamw"  # "sgd" (momentum, no clipping) is sensitive to the gradient's scale; AdamW is not
-    model: str = "mlp"  # or "gpt"
+    model: str = "mlp"  # or "gpt", "mlp_frozen"
 
     @property
     def dataset_size(self) -> int:
@@ -97,10 +97,14 @@ class TinyGPT(nn.Module):
 
 
 def make_net(model: str = "mlp") -> nn.Module:
+    """``"mlp"``, ``"gpt"``, or ``"mlp_frozen"``: the MLP with its middle Linear frozen (gradients flow through it)."""
     torch.manual_seed(0)
     if model == "gpt":
         return TinyGPT()
-    return nn.Sequential(nn.Linear(6, 16), nn.LayerNorm(16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
+    net = nn.Sequential(nn.Linear(6, 16), nn.LayerNorm(16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
+    if model == "mlp_frozen":
+        net[3].requires_grad_(False)
+    return net
 
 
 def make_optimizer(

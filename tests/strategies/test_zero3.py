@@ -38,11 +38,13 @@ from tests.helpers.workers import run_workers
 TOLERANCE = 1e-5
 
 # (model, grad_sync, accumulate_grad_batches, optimizer, build): AdamW + norm clipping on the MLP for every mode x g,
-# SGD (which notices a gradient off by a constant factor), the tied-weight GPT, and one model built in __init__.
+# SGD (which notices a gradient off by a constant factor), the tied-weight GPT, a frozen middle layer, and one model
+# built in __init__.
 VARIANTS = [("mlp", sync, g, "adamw", "meta") for sync in ("microbatch", "boundary") for g in (1, 3)] + [
     ("mlp", "microbatch", 3, "sgd", "meta"),
     ("gpt", "microbatch", 3, "adamw", "meta"),
     ("gpt", "boundary", 1, "adamw", "meta"),
+    ("mlp_frozen", "boundary", 3, "adamw", "meta"),
     ("mlp", "microbatch", 3, "adamw", "init"),
 ]
 
@@ -179,8 +181,10 @@ def test_parity_with_single_process_reference(fits, variant):
     world_size, result = fits
     reference = reference_params(_config(world_size, variant))
     assert max_abs_diff(result[variant], reference) <= TOLERANCE
-    initial = {k: v for k, v in ParityModule(model=variant[0]).net.state_dict().items()}
+    initial = dict(ParityModule(model=variant[0]).net.state_dict())
     assert max_abs_diff(result[variant], initial) > 1e3 * TOLERANCE  # training moved the weights
+    if variant[0] == "mlp_frozen":
+        assert max_abs_diff({"w": result[variant]["3.weight"]}, {"w": initial["3.weight"]}) == 0.0
 
 
 @pytest.mark.timeout(700)
@@ -275,6 +279,9 @@ def _evaluate(world_size: int) -> dict:
     trainer.fit(module, loader, loader)
     metrics = trainer.validate(module, loader, verbose=False)[0]
     predictions = torch.cat(trainer.predict(module, loader))
+    # A new Trainer (and strategy) on the same processes takes over the sharded model as it is.
+    again = make_trainer(config, ZeroStrategy(stage=3)).validate(module, loader, verbose=False)[0]
+    assert again == metrics, (again, metrics)
     # What every rank evaluated: the non-shuffling DistributedSampler's indices (one padded repeat).
     indices = [list(DistributedSampler(dataset, world_size, r, shuffle=False)) for r in range(world_size)]
     with trainer.strategy.engine.summon_full_params(), torch.no_grad():
