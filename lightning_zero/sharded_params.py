@@ -264,10 +264,13 @@ class ShardedParams:
         self._free(unit)
 
     # ------------------------------------------------------------ backward
-    def _pre_backward(self, unit: Unit, grad: Tensor) -> None:
+    def _queue_end_backward(self) -> None:
         if not self._callback_queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
             self._callback_queued = True
+
+    def _pre_backward(self, unit: Unit, grad: Tensor) -> None:
+        self._queue_end_backward()
         if unit.backward_started:
             return
         unit.backward_started = True
@@ -281,6 +284,7 @@ class ShardedParams:
     def _on_grad(self, p: Tensor) -> None:
         if p.grad is None:
             return
+        self._queue_end_backward()  # a model with a root unit only has no pre-backward hook
         unit, segment, i = self._where[id(p)]
         if segment.grad_full is None:  # not zeroed: each gradient is copied in, gaps are zeroed before reducing
             segment.grad_full, segment.filled = self._take(segment.full), [False] * len(segment.params)

@@ -37,7 +37,7 @@ class ParityConfig:
     lr: float = 2e-2
     seed: int = 7
     optimizer: str = "adamw"  # "sgd" (momentum, no clipping) is sensitive to the gradient's scale; AdamW is not
-    model: str = "mlp"  # or "gpt", "mlp_frozen"
+    model: str = "mlp"  # or "gpt", "mlp_frozen", "two_layer"
 
     @property
     def dataset_size(self) -> int:
@@ -96,11 +96,24 @@ class TinyGPT(nn.Module):
         return self.head(self.ln_f(x))
 
 
+class TwoLayer(nn.Module):
+    """No container: under ZeRO-3 every parameter is in the root unit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(6, 16), nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
 def make_net(model: str = "mlp") -> nn.Module:
-    """``"mlp"``, ``"gpt"``, or ``"mlp_frozen"``: the MLP with its middle Linear frozen (gradients flow through it)."""
+    """``"mlp"``, ``"gpt"``, ``"two_layer"``, or ``"mlp_frozen"``: the MLP with its middle Linear frozen."""
     torch.manual_seed(0)
     if model == "gpt":
         return TinyGPT()
+    if model == "two_layer":
+        return TwoLayer()
     net = nn.Sequential(nn.Linear(6, 16), nn.LayerNorm(16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
     if model == "mlp_frozen":
         net[3].requires_grad_(False)

@@ -38,13 +38,14 @@ from tests.helpers.workers import run_workers
 TOLERANCE = 1e-5
 
 # (model, grad_sync, accumulate_grad_batches, optimizer, build): AdamW + norm clipping on the MLP for every mode x g,
-# SGD (which notices a gradient off by a constant factor), the tied-weight GPT, a frozen middle layer, and one model
-# built in __init__.
+# SGD (which notices a gradient off by a constant factor), the tied-weight GPT, a frozen middle layer, a model with a
+# root unit only, and one model built in __init__.
 VARIANTS = [("mlp", sync, g, "adamw", "meta") for sync in ("microbatch", "boundary") for g in (1, 3)] + [
     ("mlp", "microbatch", 3, "sgd", "meta"),
     ("gpt", "microbatch", 3, "adamw", "meta"),
     ("gpt", "boundary", 1, "adamw", "meta"),
     ("mlp_frozen", "boundary", 3, "adamw", "meta"),
+    ("two_layer", "microbatch", 1, "adamw", "meta"),
     ("mlp", "microbatch", 3, "adamw", "init"),
 ]
 
