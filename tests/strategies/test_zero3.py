@@ -234,6 +234,7 @@ def test_boundary_mode_reduces_only_at_the_boundary(fits):
         assert reduced == (probe["padded_bytes"] if boundary else 0)
 
 
+@pytest.mark.gpu
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_parity_and_memory(tmp_path):
