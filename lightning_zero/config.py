@@ -1,0 +1,154 @@
+"""Typed Hydra configs for our strategies, and the checks ``lightning-zero-train`` runs before any process starts.
+
+The YAML files of the ``strategy`` group (``lightning_zero/conf/strategy/*_scratch.yaml``) extend the schemas stored
+here in Hydra's ConfigStore (``strategy/zero_scratch_schema``, ``strategy/ddp_scratch_schema``), so a misspelt key
+or a value of the wrong type fails while the config is composed. Values out of range (``strategy.stage=4``) are
+caught by :func:`validate_config`, which builds the dataclass (its ``__post_init__``) and checks the trainer's
+settings, right after composition and before any ``Trainer`` or process exists.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, is_dataclass
+from typing import Any, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+# Hydra's structured configs need ``Optional[...]`` (not ``X | None``) on Python 3.10.
+# ruff: noqa: UP045
+
+STAGES = (1, 2, 3)
+GRAD_SYNC_MODES = ("boundary", "microbatch")
+STATE_DICT_TYPES = ("sharded", "full")
+START_METHODS = ("popen", "spawn", "fork", "forkserver")
+BACKENDS = ("gloo", "nccl")
+
+
+class ConfigError(ValueError):
+    """A composed configuration that cannot run; the message names the key, the value and what is allowed."""
+
+
+def _check_common(backend: Optional[str], timeout: float, start_method: str) -> None:
+    if backend is not None and backend not in BACKENDS:
+        raise ConfigError(f"process_group_backend={backend!r} is invalid: expected one of {BACKENDS} or null")
+    if isinstance(timeout, bool) or timeout <= 0:
+        raise ConfigError(f"timeout={timeout!r} is invalid: expected a number of seconds > 0")
+    if start_method not in START_METHODS:
+        raise ConfigError(f"start_method={start_method!r} is invalid: expected one of {START_METHODS}")
+
+
+def _check_bucket(bucket_size_mb: float) -> None:
+    if bucket_size_mb <= 0:
+        raise ConfigError(f"bucket_size_mb={bucket_size_mb!r} is invalid: expected a number of MiB > 0")
+
+
+@dataclass
+class ScratchDDPStrategyConf:
+    """Schema of ``strategy=ddp_scratch`` (:class:`lightning_zero.ScratchDDPStrategy`)."""
+
+    _target_: str = "lightning_zero.ScratchDDPStrategy"
+    bucket_size_mb: float = 25.0
+    find_unused_parameters: bool = False
+    broadcast_buffers: bool = True
+    process_group_backend: Optional[str] = None
+    timeout: float = 1800.0
+    start_method: str = "popen"
+
+    def __post_init__(self) -> None:
+        _check_bucket(self.bucket_size_mb)
+        _check_common(self.process_group_backend, self.timeout, self.start_method)
+
+
+@dataclass
+class ZeroStrategyConf:
+    """Schema of ``strategy=zero{1,2,3}_scratch`` (:class:`lightning_zero.ZeroStrategy`)."""
+
+    _target_: str = "lightning_zero.ZeroStrategy"
+    stage: int = 2
+    grad_sync: Optional[str] = None
+    bucket_size_mb: float = 25.0
+    state_dict_type: str = "sharded"
+    min_num_params: Optional[int] = None
+    reshard_after_forward: bool = True
+    process_group_backend: Optional[str] = None
+    timeout: float = 1800.0
+    start_method: str = "popen"
+
+    def __post_init__(self) -> None:
+        if self.stage not in STAGES:
+            raise ConfigError(f"stage={self.stage!r} is invalid: expected 1, 2 or 3")
+        if self.grad_sync is not None and self.grad_sync not in GRAD_SYNC_MODES:
+            raise ConfigError(f"grad_sync={self.grad_sync!r} is invalid: expected one of {GRAD_SYNC_MODES} or null")
+        _check_bucket(self.bucket_size_mb)
+        if self.state_dict_type not in STATE_DICT_TYPES:
+            raise ConfigError(
+                f"state_dict_type={self.state_dict_type!r} is invalid: expected one of {STATE_DICT_TYPES}"
+            )
+        if self.min_num_params is not None and self.min_num_params < 1:
+            raise ConfigError(f"min_num_params={self.min_num_params!r} is invalid: expected null or an integer >= 1")
+        if self.stage != 3 and (self.min_num_params is not None or not self.reshard_after_forward):
+            raise ConfigError(
+                f"min_num_params and reshard_after_forward apply to stage=3 only: got stage={self.stage}"
+                f" with min_num_params={self.min_num_params}, reshard_after_forward={self.reshard_after_forward}"
+            )
+        _check_common(self.process_group_backend, self.timeout, self.start_method)
+
+
+SCHEMAS: dict[str, type] = {"ddp_scratch_schema": ScratchDDPStrategyConf, "zero_scratch_schema": ZeroStrategyConf}
+
+
+def register_configs() -> None:
+    """Store the schemas in Hydra's ConfigStore (group ``strategy``); safe to call again."""
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    for name, node in SCHEMAS.items():
+        cs.store(group="strategy", name=name, node=node)
+
+
+def _trainer_arguments() -> set[str]:
+    from lightning.pytorch import Trainer
+
+    return {name for name in inspect.signature(Trainer.__init__).parameters if name != "self"}
+
+
+def _check_devices(devices: Any) -> None:
+    if devices in ("auto", -1, "-1"):
+        return
+    if isinstance(devices, bool):
+        raise ConfigError(f"trainer.devices={devices!r} is invalid: expected an integer >= 1, -1, 'auto' or a list")
+    if isinstance(devices, int) and devices < 1:
+        raise ConfigError(
+            f"trainer.devices={devices} is invalid: expected an integer >= 1 (processes per node), -1, 'auto'"
+            " or a list of device indices"
+        )
+    if isinstance(devices, str) and devices.strip().isdigit() and int(devices) < 1:
+        raise ConfigError(f"trainer.devices={devices!r} is invalid: expected an integer >= 1, -1, 'auto' or a list")
+    if isinstance(devices, (list, tuple)) and not devices:
+        raise ConfigError("trainer.devices=[] is invalid: expected a non-empty list of device indices")
+
+
+def validate_config(cfg: DictConfig) -> None:
+    """Raise :class:`ConfigError` with one clear message if ``cfg`` cannot run; touches no process or device."""
+    strategy = cfg.get("strategy")
+    if isinstance(strategy, DictConfig) and is_dataclass(OmegaConf.get_type(strategy)):
+        try:
+            OmegaConf.to_object(strategy)  # builds the dataclass: runs its __post_init__
+        except ConfigError as err:
+            raise ConfigError(f"strategy ({strategy._target_}): {err}") from None
+    trainer = cfg.get("trainer")
+    if trainer is None:
+        raise ConfigError("trainer is missing: choose one with trainer=cpu, trainer=gpu or trainer=ddp_sim")
+    unknown = sorted(set(trainer) - {"_target_"} - _trainer_arguments())
+    if unknown:
+        raise ConfigError(f"trainer has unknown keys {unknown}: they are not arguments of lightning.pytorch.Trainer")
+    if "strategy" in trainer:
+        raise ConfigError("trainer.strategy is not used: choose the strategy with strategy=<name>")
+    _check_devices(trainer.get("devices", "auto"))
+    num_nodes = trainer.get("num_nodes", 1)
+    if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1:
+        raise ConfigError(f"trainer.num_nodes={num_nodes!r} is invalid: expected an integer >= 1")
+    max_steps = trainer.get("max_steps", -1)
+    if max_steps is not None and (not isinstance(max_steps, int) or (max_steps != -1 and max_steps < 1)):
+        raise ConfigError(f"trainer.max_steps={max_steps!r} is invalid: expected -1 (no limit) or an integer >= 1")

@@ -1,0 +1,138 @@
+"""A small character-level GPT as a LightningModule, built in ``configure_model()`` (meta-device safe)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import lightning as L
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torchmetrics.text import Perplexity
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: causal self-attention and a GELU MLP, standard layers only."""
+
+    def __init__(self, n_embd: int, n_head: int, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.n_head, self.dropout = n_head, dropout
+        self.ln_1, self.qkv, self.proj = nn.LayerNorm(n_embd), nn.Linear(n_embd, 3 * n_embd), nn.Linear(n_embd, n_embd)
+        self.ln_2 = nn.LayerNorm(n_embd)
+        self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.GELU(), nn.Linear(4 * n_embd, n_embd))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = (
+            z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in self.qkv(self.ln_1(x)).chunk(3, -1)
+        )
+        drop = self.dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=drop, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
+        return x + self.mlp(self.ln_2(x))
+
+
+class CharGPT(nn.Module):
+    """Token and position embeddings, ``n_layer`` blocks in an ``nn.ModuleList`` (ZeRO-3's default units), a head."""
+
+    def __init__(
+        self, vocab_size: int, block_size: int, n_layer: int, n_head: int, n_embd: int, dropout: float
+    ) -> None:
+        super().__init__()
+        self.block_size = block_size
+        self.wte, self.wpe = nn.Embedding(vocab_size, n_embd), nn.Embedding(block_size, n_embd)
+        self.blocks = nn.ModuleList([Block(n_embd, n_head, dropout) for _ in range(n_layer)])
+        self.ln_f, self.head = nn.LayerNorm(n_embd), nn.Linear(n_embd, vocab_size, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+class CharGPTModule(L.LightningModule):
+    """Trains :class:`CharGPT`; logs ``train/loss``, ``val/loss`` and ``val/ppl`` (torchmetrics ``Perplexity``).
+
+    Args:
+        vocab_size: number of distinct tokens (the data module's ``vocab_size``).
+        block_size: context length.
+        n_layer, n_head, n_embd, dropout: the network's size (``n_embd`` divisible by ``n_head``).
+        optimizer: a partial optimizer (``params -> Optimizer``), e.g. Hydra's ``_partial_: true``; default AdamW.
+        warmup_steps: linear learning-rate warm-up, then cosine decay to ``min_lr_ratio`` over the planned steps.
+        min_lr_ratio: final learning rate as a fraction of the initial one.
+
+    ``ppl_history`` holds ``(global_step, val_ppl)`` for every validation pass, the sanity check included (step 0,
+    the untrained model), so a run can report its first and last perplexity.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        block_size: int = 64,
+        n_layer: int = 3,
+        n_head: int = 4,
+        n_embd: int = 96,
+        dropout: float = 0.0,
+        optimizer: Callable[..., torch.optim.Optimizer] | None = None,
+        warmup_steps: int = 20,
+        min_lr_ratio: float = 0.1,
+    ) -> None:
+        super().__init__()
+        if n_embd % n_head:
+            raise ValueError(f"n_embd={n_embd} is invalid: expected a multiple of n_head={n_head}")
+        if warmup_steps < 0 or not 0 <= min_lr_ratio <= 1:
+            raise ValueError(f"warmup_steps={warmup_steps}, min_lr_ratio={min_lr_ratio}: expected >= 0 and in [0, 1]")
+        self.save_hyperparameters(ignore=["optimizer"])
+        self.optimizer_factory = optimizer
+        self.net: CharGPT | None = None
+        self.val_ppl = Perplexity()
+        self.ppl_history: list[tuple[int, float]] = []
+
+    def configure_model(self) -> None:
+        if self.net is not None:
+            return
+        h = self.hparams
+        self.net = CharGPT(h.vocab_size, h.block_size, h.n_layer, h.n_head, h.n_embd, h.dropout)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        assert self.net is not None, "configure_model() builds the network"
+        return self.net(idx)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = F.cross_entropy(self(x).flatten(0, 1), y.flatten())
+        self.log("train/loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        logits = self(x)
+        self.log("val/loss", F.cross_entropy(logits.flatten(0, 1), y.flatten()), sync_dist=True)
+        self.val_ppl.update(logits.float(), y)
+
+    def on_validation_epoch_end(self) -> None:
+        ppl = self.val_ppl.compute()  # collective: every rank calls it
+        self.val_ppl.reset()
+        self.log("val/ppl", ppl, prog_bar=True, sync_dist=True)  # equal on every rank already
+        self.ppl_history.append((self.global_step, float(ppl)))
+
+    def configure_optimizers(self) -> Any:
+        decay = [p for p in self.parameters() if p.ndim >= 2]
+        no_decay = [p for p in self.parameters() if p.ndim < 2]
+        groups = [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
+        factory = self.optimizer_factory or (lambda params: torch.optim.AdamW(params, lr=3e-3))
+        optimizer = factory(groups)
+        total = max(1, int(self.trainer.estimated_stepping_batches))
+        warmup, floor = self.hparams.warmup_steps, self.hparams.min_lr_ratio
+
+        def lr_lambda(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / warmup
+            progress = min(1.0, (step - warmup) / max(1, total - warmup))
+            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

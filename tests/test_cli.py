@@ -1,0 +1,242 @@
+"""The Hydra configs (``lightning_zero.conf``) and the ``lightning-zero-train`` CLI.
+
+In-process: every option of every config group composes through Hydra's compose API, our strategy configs
+instantiate, and bad settings (``strategy.stage=4``, an unknown strategy, ``trainer.devices=0``, a misspelt key)
+fail with one message naming the value and what is allowed. As subprocesses (Lightning's popen launcher re-executes
+``sys.argv`` for rank 1, which inside pytest would re-run pytest): a bad override exits non-zero before training, and
+one tiny 2-process ``zero3_scratch`` run exits 0 and leaves its checkpoint, csv metrics and rank-1 log in one run dir.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_module
+from hydra.core.global_hydra import GlobalHydra
+from hydra.errors import ConfigCompositionException, MissingConfigException
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+import lightning_zero
+from lightning_zero.config import ConfigError, ScratchDDPStrategyConf, ZeroStrategyConf, validate_config
+from lightning_zero.demo import CharGPTModule, CharTextDataModule
+from tests.helpers.workers import free_port
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+CONF_DIR = REPO_ROOT / "conf"
+GROUPS = ("trainer", "strategy", "model", "data", "optimizer", "callbacks", "logger", "experiment")
+OUR_STRATEGIES = ("ddp_scratch", "zero1_scratch", "zero2_scratch", "zero3_scratch")
+# Variables through which a launcher tells Lightning that processes already exist: never leak them into the CLI.
+_DIST_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR")
+
+
+def _options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+@pytest.fixture
+def compose_cfg(tmp_path: Path) -> Iterator:
+    """``compose_cfg(*overrides)``: the composed ``train`` config, outputs pointed at ``tmp_path``."""
+    GlobalHydra.instance().clear()
+    with initialize_config_module(config_module="lightning_zero.conf", version_base="1.3"):
+
+        def _compose(*overrides: str):
+            return compose(config_name="train", overrides=[f"paths.output_dir={tmp_path}", *overrides])
+
+        yield _compose
+    GlobalHydra.instance().clear()
+
+
+def test_every_group_has_its_options() -> None:
+    assert set(_options("strategy")) >= {*OUR_STRATEGIES, "ddp"}
+    assert set(_options("trainer")) >= {"cpu", "gpu", "ddp_sim"}
+    assert _options("logger") == ["csv"]
+    for group in (*GROUPS, "hydra"):
+        assert _options(group), f"conf/{group}/ has no options"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("group", GROUPS)
+def test_every_option_composes_and_validates(compose_cfg, group: str) -> None:
+    for option in _options(group):
+        cfg = compose_cfg(f"{group}={option}")
+        validate_config(cfg)
+        assert cfg.trainer._target_ == "lightning.pytorch.Trainer"
+        assert "_target_" in cfg.strategy and "_target_" in cfg.model and "_target_" in cfg.data
+
+
+def test_default_is_the_zero3_demo_on_two_cpu_processes(compose_cfg) -> None:
+    cfg = compose_cfg()
+    assert (cfg.trainer.accelerator, cfg.trainer.devices) == ("cpu", 2)
+    assert (cfg.strategy._target_, cfg.strategy.stage) == ("lightning_zero.ZeroStrategy", 3)
+    assert cfg.model.block_size == cfg.data.block_size
+    assert cfg.optimized_metric == "val/ppl"
+
+
+@pytest.mark.parametrize("name", OUR_STRATEGIES)
+def test_our_strategy_configs_are_typed_and_instantiate(compose_cfg, name: str) -> None:
+    cfg = compose_cfg(f"strategy={name}")
+    schema = ScratchDDPStrategyConf if name == "ddp_scratch" else ZeroStrategyConf
+    assert OmegaConf.get_type(cfg.strategy) is schema
+    strategy = instantiate(cfg.strategy)
+    if name == "ddp_scratch":
+        assert type(strategy) is lightning_zero.ScratchDDPStrategy
+    else:
+        assert type(strategy) is lightning_zero.ZeroStrategy
+        assert strategy.stage == int(name[4])
+
+
+def test_lightning_ddp_config_instantiates(compose_cfg) -> None:
+    from lightning.pytorch.strategies import DDPStrategy
+
+    assert type(instantiate(compose_cfg("strategy=ddp").strategy)) is DDPStrategy
+
+
+@pytest.mark.timeout(60)
+def test_demo_data_model_and_optimizer_instantiate_and_step(compose_cfg) -> None:
+    cfg = compose_cfg("data.max_chars=20000", "model.n_layer=1", "model.n_embd=32")
+    data = instantiate(cfg.data)
+    assert isinstance(data, CharTextDataModule) and data.vocab_size > 50
+    data.setup("fit")
+    model = instantiate(cfg.model, vocab_size=data.vocab_size, optimizer=instantiate(cfg.optimizer))
+    assert isinstance(model, CharGPTModule) and model.net is None  # built in configure_model()
+    model.configure_model()
+    x, y = next(iter(data.train_dataloader()))
+    assert x.shape == y.shape == (cfg.data.batch_size, cfg.data.block_size)
+    assert torch.equal(x[:, 1:], y[:, :-1])
+    opt = model.optimizer_factory([p for p in model.parameters()])
+    assert isinstance(opt, torch.optim.AdamW) and opt.defaults["lr"] == cfg.optimizer.lr
+    loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    assert abs(loss.item() - torch.log(torch.tensor(float(data.vocab_size))).item()) < 1.5  # near uniform at init
+
+
+def test_callbacks_and_logger_instantiate(compose_cfg, tmp_path: Path) -> None:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.loggers import CSVLogger
+
+    cfg = compose_cfg()
+    callbacks = [instantiate(c) for c in cfg.callbacks.values()]
+    ckpt = next(c for c in callbacks if isinstance(c, ModelCheckpoint))
+    assert ckpt.dirpath == str(tmp_path / "checkpoints")
+    (logger,) = [instantiate(c) for c in cfg.logger.values()]
+    assert isinstance(logger, CSVLogger) and Path(logger.log_dir) == tmp_path / "csv"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["strategy.stage=4"], "stage=4 is invalid: expected 1, 2 or 3"),
+        (["strategy=zero2_scratch", "strategy.grad_sync=sometimes"], "grad_sync='sometimes' is invalid"),
+        (["strategy=zero1_scratch", "strategy.min_num_params=10"], "apply to stage=3 only: got stage=1"),
+        (["strategy=ddp_scratch", "strategy.bucket_size_mb=0"], "bucket_size_mb=0.0 is invalid"),
+        (["trainer.devices=0"], "trainer.devices=0 is invalid: expected an integer >= 1"),
+        (["trainer.num_nodes=0"], "trainer.num_nodes=0 is invalid"),
+        (["+trainer.max_stepz=3"], "trainer has unknown keys ['max_stepz']"),
+    ],
+)
+def test_bad_values_fail_validation_with_a_clear_message(compose_cfg, overrides: list[str], message: str) -> None:
+    cfg = compose_cfg(*overrides)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        validate_config(cfg)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "error", "message"),
+    [
+        (["strategy=zero4_scratch"], MissingConfigException, "Could not find 'strategy/zero4_scratch'"),
+        (["strategy.stagee=3"], ConfigCompositionException, "strategy.stagee"),  # a typo in a key
+        (["strategy.stage=three"], ConfigCompositionException, "strategy.stage=three"),  # a wrong type
+    ],
+)
+def test_bad_overrides_fail_at_composition(compose_cfg, overrides: list[str], error: type, message: str) -> None:
+    with pytest.raises(error, match=re.escape(message)):
+        compose_cfg(*overrides)
+
+
+def test_schema_rejects_unknown_keys_in_a_strategy_yaml(compose_cfg) -> None:
+    """The typo check also covers values written in a YAML file, not only command-line overrides."""
+    cfg = compose_cfg()
+    with pytest.raises(Exception, match="bucket_sizes_mb"):
+        OmegaConf.merge(cfg.strategy, {"bucket_sizes_mb": 3})
+
+
+# ---- the CLI as a subprocess ------------------------------------------------------------------------------------
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in _DIST_VARS and not k.startswith(("PL_", "TORCHELASTIC_"))}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", MASTER_PORT=str(free_port()), **extra)
+    return env
+
+
+def _run_cli(args: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+    """Run ``python -m lightning_zero.train`` in its own session; on a timeout kill the session (rank 1 too)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lightning_zero.train", *args],
+        cwd=cwd,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"lightning-zero-train {' '.join(args)} ran past {timeout} s:\n{out[-6000:]}")
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)  # nothing may outlive the run
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, None)
+
+
+@pytest.mark.timeout(60)
+def test_cli_bad_override_exits_non_zero_with_one_message(tmp_path: Path) -> None:
+    result = _run_cli(["strategy.stage=4"], tmp_path, timeout=45)
+    assert result.returncode != 0
+    lines = [line for line in result.stdout.splitlines() if line.strip()]
+    assert lines[-1] == (
+        "lightning-zero-train: invalid configuration: strategy (lightning_zero.ZeroStrategy):"
+        " stage=4 is invalid: expected 1, 2 or 3"
+    ), result.stdout
+    assert not (tmp_path / "outputs").exists() or not list((tmp_path / "outputs").rglob("*.ckpt"))
+
+
+@pytest.mark.timeout(120)
+def test_cli_tiny_two_process_zero3_run_writes_one_run_dir(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    args = [
+        "trainer.max_steps=5",
+        "trainer.val_check_interval=5",
+        "trainer.limit_val_batches=2",
+        "trainer.log_every_n_steps=1",
+        "model.n_layer=1",
+        "model.n_embd=32",
+        "data.max_chars=40000",
+        f"hydra.run.dir={run_dir}",
+    ]
+    result = _run_cli(args, tmp_path, timeout=90)
+    assert result.returncode == 0, result.stdout[-6000:]
+    assert f"outputs: {run_dir}" in result.stdout
+    first, final = map(float, re.search(r"val/ppl: first ([\d.]+) \(step 0\), final ([\d.]+)", result.stdout).groups())
+    assert final < first
+    # One run dir holds everything: rank 0's and rank 1's logs, both ranks' checkpoint shards, csv metrics.
+    assert sorted(p.name for p in run_dir.glob("*.log")) == ["train.log", "train_ddp_process_1.log"]
+    assert "rank 1 of 2: done" in (run_dir / "train_ddp_process_1.log").read_text()
+    assert (run_dir / ".hydra" / "config.yaml").is_file()
+    last = run_dir / "checkpoints" / "last.ckpt"
+    assert (last / "meta.pt").is_file() and len(list(last.glob("*.distcp"))) == 2
+    metrics = (run_dir / "csv" / "metrics.csv").read_text()
+    assert "train/loss" in metrics.splitlines()[0] and "val/ppl" in metrics.splitlines()[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # nothing written elsewhere
