@@ -60,6 +60,16 @@ def check_in_optimizer(missing: list[str]) -> None:
         )
 
 
+def hyperparameters(param_groups: list[dict]) -> list[dict]:
+    """Each param group without its ``params``."""
+    return [{k: v for k, v in group.items() if k != "params"} for group in param_groups]
+
+
+def check_group_count(saved: int, expected: int) -> None:
+    if saved != expected:
+        raise ValueError(f"optimizer state has {saved} param groups: expected {expected} as in the model")
+
+
 def clip_grad_norm_(grads: list[Tensor], max_norm: float, *, group: object, device: torch.device) -> Tensor:
     """Scale this rank's gradient shards so the *global* norm is at most ``max_norm``; return that norm.
 
@@ -270,13 +280,6 @@ class ShardedOptimizer:
         """Whether an optimizer state value has one element per shard element (moments), not a scalar (step)."""
         return isinstance(value, Tensor) and value.shape == g.shard.shape
 
-    def _hyperparameters(self) -> list[dict]:
-        return [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
-
-    def _check_group_count(self, saved: int) -> None:
-        if saved != len(self.groups):
-            raise ValueError(f"optimizer state has {saved} param groups: expected {len(self.groups)} as in the model")
-
     def _load_shards(self, sharded_state: dict[int, dict], param_groups: list[dict]) -> None:
         """Load per-group shard state with the saved hyper-parameters into the rebuilt optimizer."""
         self.optimizer.load_state_dict(
@@ -291,7 +294,7 @@ class ShardedOptimizer:
             for key, value in self.optimizer.state.get(g.shard, {}).items():
                 entry[key] = self._to_dtensor(g, value.detach()) if self._elementwise(g, value) else value
             state[f"group{g.index}"] = entry
-        return {"state": state, "param_groups": self._hyperparameters()}
+        return {"state": state, "param_groups": hyperparameters(self.optimizer.param_groups)}
 
     def sharded_template(self, metadata: Metadata, prefix: str) -> dict:
         """Tensors for DCP to load ``prefix``'s optimizer state into, shaped from the checkpoint's index."""
@@ -312,7 +315,7 @@ class ShardedOptimizer:
 
     def load_sharded_state_dict(self, loaded: dict, param_groups: list[dict]) -> None:
         """Load what DCP filled into :meth:`sharded_template`, with the saved hyper-parameters."""
-        self._check_group_count(len(param_groups))
+        check_group_count(len(param_groups), len(self.groups))
         sharded_state = {}
         for g in self.groups:
             entry = {}
@@ -343,8 +346,8 @@ class ShardedOptimizer:
         """Gather the optimizer state of every shard (collective: call on every rank)."""
         state: dict[int, dict] = {}
         groups = []
-        for g, numbers, hyperparameters in zip(self.groups, self._numbering(), self._hyperparameters()):
-            groups.append({**hyperparameters, "params": numbers})
+        for g, numbers, hyper in zip(self.groups, self._numbering(), hyperparameters(self.optimizer.param_groups)):
+            groups.append({**hyper, "params": numbers})
             shard_state = self.optimizer.state.get(g.shard, {})
             scalars: dict[str, object] = {}  # e.g. Adam's step: equal on every rank
             gathered: dict[str, Tensor] = {}  # per-element state (moments), gathered into a full flat buffer
@@ -368,7 +371,7 @@ class ShardedOptimizer:
     def load_full_state_dict(self, state_dict: dict) -> None:
         """Load a :meth:`full_state_dict` (from any world size) into this rank's shards."""
         saved_groups = state_dict["param_groups"]
-        self._check_group_count(len(saved_groups))
+        check_group_count(len(saved_groups), len(self.groups))
         sharded_state: dict[int, dict] = {}
         for index, (g, saved_group) in enumerate(zip(self.groups, saved_groups)):
             if len(saved_group["params"]) != len(g.original_params):
@@ -396,5 +399,4 @@ class ShardedOptimizer:
                     flat.narrow(0, offset, p.numel()).copy_(value.reshape(-1))
                 shard_state[key] = flat.narrow(0, g.start, g.end - g.start).clone()
             sharded_state[index] = shard_state
-        hyperparameters = [{k: v for k, v in group.items() if k != "params"} for group in saved_groups]
-        self._load_shards(sharded_state, hyperparameters)
+        self._load_shards(sharded_state, hyperparameters(saved_groups))

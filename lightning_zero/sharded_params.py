@@ -109,7 +109,8 @@ class ShardedParams:
         self.require_backward_grad_sync = True
         self.optimizer: torch.optim.Optimizer | None = None
         self.original_groups: list[list[nn.Parameter]] = []
-        self._placeholders: dict[tuple, Tensor] = {}
+        self._placeholders: dict[torch.dtype, Tensor] = {}
+        self._where: dict[int, tuple[Unit, Segment, int]] = {}  # id(param) -> its unit, segment and index there
         self._names = {id(p): name for name, p in module.named_parameters()}
         self.units = [Unit(i, plan) for i, plan in enumerate(plan_units(module, auto_wrap_policy, min_num_params))]
         for unit in self.units:
@@ -145,7 +146,7 @@ class ShardedParams:
             names = [self._names[id(p)] for p in members]
             unit.segments.append(Segment(key, members, names, self.world_size, self.rank, self.device))
         unit.expected = sum(p.requires_grad for p in unit.params)
-        self._where = {id(p): (u, s, i) for u in self.units for s in u.segments for i, p in enumerate(s.params)}
+        self._where.update({id(p): (unit, s, i) for s in unit.segments for i, p in enumerate(s.params)})
 
     def _placeholder(self, p: Tensor) -> Tensor:
         if p.dtype not in self._placeholders:

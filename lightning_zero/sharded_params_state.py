@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from lightning_zero import collectives as comm
 from lightning_zero.segments import Segment
+from lightning_zero.sharded_optimizer import check_group_count, hyperparameters
 from lightning_zero.sharded_params import ShardedParams
 
 
@@ -136,15 +137,13 @@ def optimizer_state_dict(engine: ShardedParams, sharded: bool) -> dict[str, Any]
                 entry[key] = _to_dtensor(mesh, full) if mesh is not None else full.clone()
         if shard_state:
             per_param.update({id(p): entry for p, entry in zip(segment.params, entries)})
-    hyperparameters = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+    hyper = hyperparameters(optimizer.param_groups)
     if sharded:
         names = {id(p): name for s in engine.segments for p, name in zip(s.params, s.names)}
-        return {"state": {names[i]: e for i, e in per_param.items()}, "param_groups": hyperparameters}
+        return {"state": {names[i]: e for i, e in per_param.items()}, "param_groups": hyper}
     numbers = _numbering(engine)
     state = {numbers[id(p)]: per_param[id(p)] for group in engine.original_groups for p in group if id(p) in per_param}
-    groups = [
-        {**hp, "params": [numbers[id(p)] for p in group]} for hp, group in zip(hyperparameters, engine.original_groups)
-    ]
+    groups = [{**hp, "params": [numbers[id(p)] for p in group]} for hp, group in zip(hyper, engine.original_groups)]
     return {"state": state if engine.rank == 0 else {}, "param_groups": groups}
 
 
@@ -178,11 +177,7 @@ def load_optimizer_state_dict(engine: ShardedParams, state_dict: dict[str, Any],
     """Load a full (numbered) or sharded (named) optimizer state with ``param_groups``' hyper-parameters."""
     optimizer = engine.optimizer
     assert optimizer is not None
-    if len(param_groups) != len(optimizer.param_groups):
-        raise ValueError(
-            f"optimizer state has {len(param_groups)} param groups: expected {len(optimizer.param_groups)} as in the"
-            " model"
-        )
+    check_group_count(len(param_groups), len(optimizer.param_groups))
     numbers = _numbering(engine)
     index = {id(shard): i for i, shard in enumerate(p for g in optimizer.param_groups for p in g["params"])}
     sharded_state: dict[int, dict[str, Any]] = {}
