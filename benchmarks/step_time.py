@@ -43,19 +43,20 @@ Columns ``vs ddp``, ``vs nocomm``, ``vs ddp_zero_redundancy`` and ``vs fsdp2`` (
 ratios of median step times.
 
 Memory: at ``on_train_end`` of every fit (before teardown), the per-rank model-state bytes are counted with
-:func:`lightning_zero.memory.model_state_bytes` (params, grads, optimizer state, strategy buffers; each storage once, in
-that order) and compared with the floor for fp32 AdamW, Ψ trainable parameters, N ranks: ``ddp_scratch`` (and Lightning
-``ddp``) 16Ψ, ``zero1_scratch`` (and ``ddp_zero_redundancy``) 8Ψ + 8Ψ/N (4Ψ params + 4Ψ grads + 8Ψ/N Adam),
-``zero2_scratch`` 4Ψ + 12Ψ/N (4Ψ + 4Ψ/N + 8Ψ/N), ``zero3_scratch`` and ``fsdp2`` 16Ψ/N (4Ψ/N + 4Ψ/N + 8Ψ/N). The ratio
-is printed for params + grads + optimizer and for the total; the two differ by the strategy buffers that no gradient
-aliases (zero2's two-bucket pool). For the ZeRO candidates the parameters include the engine's shard parameters and the
-buffers are ``engine.strategy_buffers`` (with stage 2's default ``grad_sync="microbatch"`` the gradient is the shard
-accumulator, ``shard.grad``). For Lightning's ``ddp`` and ``ddp_zero_redundancy`` the strategy buffers of torch's C++
-DDP reducer (~4Ψ of buckets) are not visible from Python and are left out; ``ddp_zero_redundancy``'s optimizer state is
-that of its local optimizer (``.optim``). ``fsdp2``'s parameters, gradients and AdamW moments are DTensors: their local
-shards (``DTensor.to_local()``, padded as FSDP2 pads them) are counted; its all-gather/reduce-scatter buffers are
-internal and transient (freed between steps), so no strategy buffers are reported. ``nocomm`` is not measured (same
-tensors as ``ddp_scratch``).
+:func:`lightning_zero.memory.strategy_model_state_bytes` (params, grads, optimizer state, strategy buffers; each storage
+once, in that order; the same count as the ``RunStats`` callback's) and compared with the floor for fp32 AdamW, Ψ
+trainable parameters, N ranks: ``ddp_scratch`` (and Lightning ``ddp``) 16Ψ, ``zero1_scratch`` (and
+``ddp_zero_redundancy``) 8Ψ + 8Ψ/N (4Ψ params + 4Ψ grads + 8Ψ/N Adam), ``zero2_scratch`` 4Ψ + 12Ψ/N (4Ψ + 4Ψ/N + 8Ψ/N),
+``zero3_scratch`` and ``fsdp2`` 16Ψ/N (4Ψ/N + 4Ψ/N + 8Ψ/N). The ratio is printed for params + grads + optimizer and for
+the total; the two differ by the strategy buffers that no gradient aliases (zero2's two-bucket pool). For
+lightning_zero's candidates the strategy counts itself (``strategy.model_state_bytes()``): for the ZeRO candidates the
+parameters include the engine's shard parameters and the buffers are ``engine.strategy_buffers`` (with stage 2's default
+``grad_sync="microbatch"`` the gradient is the shard accumulator, ``shard.grad``). For Lightning's ``ddp`` and
+``ddp_zero_redundancy`` the strategy buffers of torch's C++ DDP reducer (~4Ψ of buckets) are not visible from Python and
+are left out; ``ddp_zero_redundancy``'s optimizer state is that of its local optimizer (``.optim``). ``fsdp2``'s
+parameters, gradients and AdamW moments are DTensors: their local shards (``DTensor.to_local()``, padded as FSDP2 pads
+them) are counted; its all-gather/reduce-scatter buffers are internal and transient (freed between steps), so no
+strategy buffers are reported. ``nocomm`` is not measured (same tensors as ``ddp_scratch``).
 
 Traffic: :data:`lightning_zero.collectives.LEDGER` gives the bytes per optimizer step of the gradient reduction (tag
 ``"grads"``, all-reduce or reduce-scatter of the buckets, input bytes) for the lightning_zero candidates, against 4Ψ,
@@ -82,7 +83,7 @@ import statistics
 import sys
 import time
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -90,14 +91,11 @@ import lightning as L
 import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Strategy
-from torch import Tensor
-from torch.distributed.optim import ZeroRedundancyOptimizer
-from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_zero import ScratchDDPStrategy, ZeroStrategy
 from lightning_zero.collectives import LEDGER
-from lightning_zero.memory import ModelStateBytes, model_state_bytes
+from lightning_zero.memory import ModelStateBytes, strategy_model_state_bytes
 
 try:  # run as a script, sys.path[0] is benchmarks/; imported from the repo root, it is a namespace package
     from benchmarks.gpt import GPT, PRESETS, Block, GPTConfig, GPTLightningModule, random_token_dataset
@@ -210,52 +208,7 @@ class CommProbe(L.Callback):
         stats.steps = trainer.global_step
         if not self.measure_memory:
             return
-        strategy = trainer.strategy
-        if isinstance(strategy, ZeroStrategy):
-            engine = strategy.engine
-            assert engine is not None
-            params = list(pl_module.parameters()) + engine.shard_params
-            stats.memory = model_state_bytes(params, trainer.optimizers, engine.strategy_buffers)
-        elif isinstance(strategy, ScratchDDPStrategy):
-            reducer = strategy.reducer
-            assert reducer is not None
-            stats.memory = model_state_bytes(pl_module.parameters(), trainer.optimizers, reducer.buffers)
-        elif isinstance(strategy, ModelParallelStrategy):  # FSDP2: count the local shards of the DTensors
-            stats.memory = model_state_bytes(
-                local_shards(pl_module.parameters()), [LocalOptimizerState(o) for o in trainer.optimizers]
-            )
-        else:  # Lightning's DDPStrategy: DDP's buckets live in C++; ZeroRedundancyOptimizer keeps its state in .optim
-            optimizers = [o.optim if isinstance(o, ZeroRedundancyOptimizer) else o for o in trainer.optimizers]
-            stats.memory = model_state_bytes(pl_module.parameters(), optimizers)
-
-
-def _local(tensor: Tensor) -> Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def local_shards(params: Iterable[Tensor]) -> list[Tensor]:
-    """Aliases of this rank's shard of every parameter, each with this rank's shard of its gradient as ``.grad``.
-
-    ``model_state_bytes`` reads ``p.grad`` of the tensors it is given, and a DTensor's ``untyped_storage()`` is not its
-    local shard's, so it is given plain tensors sharing the shards' storages.
-    """
-    shards = []
-    with torch.no_grad():
-        for p in params:
-            shard = _local(p).detach()
-            if p.grad is not None:
-                shard.grad = _local(p.grad)
-            shards.append(shard)
-    return shards
-
-
-class LocalOptimizerState:  # duck-typed for model_state_bytes, which reads only .state
-    """What ``model_state_bytes`` reads of an optimizer (``.state``), with every DTensor replaced by its local shard."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
-        self.state = {
-            p: {k: _local(v) if isinstance(v, Tensor) else v for k, v in s.items()} for p, s in optimizer.state.items()
-        }
+        stats.memory = strategy_model_state_bytes(trainer.strategy)
 
 
 @dataclass

@@ -23,6 +23,7 @@ GRAD_SYNC_MODES = ("boundary", "microbatch")
 STATE_DICT_TYPES = ("sharded", "full")
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
 BACKENDS = ("gloo", "nccl")
+MODEL_PARALLEL_TARGET = "lightning.pytorch.strategies.ModelParallelStrategy"  # strategy=fsdp2
 
 
 class ConfigError(ValueError):
@@ -152,3 +153,25 @@ def validate_config(cfg: DictConfig) -> None:
     max_steps = trainer.get("max_steps", -1)
     if max_steps is not None and (not isinstance(max_steps, int) or (max_steps != -1 and max_steps < 1)):
         raise ConfigError(f"trainer.max_steps={max_steps!r} is invalid: expected -1 (no limit) or an integer >= 1")
+    if isinstance(strategy, DictConfig) and strategy.get("_target_") == MODEL_PARALLEL_TARGET:
+        _check_model_parallel(strategy, trainer.get("devices", "auto"), num_nodes)
+
+
+def _check_model_parallel(strategy: DictConfig, devices: Any, num_nodes: int) -> None:
+    """``strategy=fsdp2``: the device mesh (data x tensor parallel) must cover exactly the job's processes."""
+    sizes = {}
+    for key in ("data_parallel_size", "tensor_parallel_size"):
+        value = strategy.get(key, "auto")
+        if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            hint = " (strategy=fsdp2 takes it from trainer.devices: set a number of processes)"
+            hint = hint if key == "data_parallel_size" else ""
+            raise ConfigError(f"strategy.{key}={value!r} is invalid: expected 'auto' or an integer >= 1{hint}")
+        sizes[key] = value
+    dp, tp = sizes["data_parallel_size"], sizes["tensor_parallel_size"]
+    if isinstance(dp, int) and isinstance(tp, int) and isinstance(devices, int) and devices >= 1:
+        processes = devices * num_nodes
+        if dp * tp != processes:
+            raise ConfigError(
+                f"strategy.data_parallel_size={dp} x strategy.tensor_parallel_size={tp} is invalid: expected"
+                f" trainer.devices x trainer.num_nodes = {processes} processes"
+            )

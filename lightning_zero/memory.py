@@ -7,12 +7,18 @@ until read).
 
 Reference floors for fp32 AdamW, Ψ trainable parameters, N ranks: DDP 16Ψ, ZeRO-1 8Ψ + 8Ψ/N, ZeRO-2 4Ψ + 12Ψ/N,
 ZeRO-3 16Ψ/N bytes.
+
+:func:`strategy_model_state_bytes` counts what a Lightning strategy holds on this rank: lightning_zero's strategies
+say it themselves (``strategy.model_state_bytes()``, strategy buffers included); for any other strategy the module's
+parameters and the optimizers' state are counted, DTensors (FSDP2) by their local shards and torch's
+``ZeroRedundancyOptimizer`` by its local optimizer; buffers that live in C++ (torch DDP's buckets) are not visible.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -28,6 +34,10 @@ class ModelStateBytes:
     @property
     def total(self) -> int:
         return self.params + self.grads + self.optimizer + self.strategy_buffers
+
+    def as_dict(self) -> dict[str, int]:
+        """``{"params", "grads", "optimizer", "strategy_buffers", "total"}`` in bytes."""
+        return {**asdict(self), "total": self.total}
 
 
 def _optimizer_tensors(optimizers: Iterable[torch.optim.Optimizer]) -> Iterable[Tensor]:
@@ -62,3 +72,59 @@ def model_state_bytes(
         optimizer=count(_optimizer_tensors(optimizers)),
         strategy_buffers=count(strategy_buffers),
     )
+
+
+def _local(tensor: Tensor) -> Tensor:
+    """A DTensor's local shard (``to_local()``, padded as FSDP2 pads it); any other tensor as it is."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor
+
+
+def local_shards(params: Iterable[Tensor]) -> list[Tensor]:
+    """Aliases of this rank's shard of every parameter, each with this rank's shard of its gradient as ``.grad``.
+
+    ``model_state_bytes`` reads ``p.grad`` of the tensors it is given, and a DTensor's ``untyped_storage()`` is not its
+    local shard's, so it is given plain tensors sharing the shards' storages. Plain parameters give plain aliases of the
+    same storages, so the count is the same as for the parameters themselves.
+    """
+    shards = []
+    with torch.no_grad():
+        for p in params:
+            shard = _local(p).detach()
+            if p.grad is not None:
+                shard.grad = _local(p.grad)
+            shards.append(shard)
+    return shards
+
+
+class LocalOptimizerState:  # duck-typed for model_state_bytes, which reads only .state
+    """What ``model_state_bytes`` reads of an optimizer (``.state``), with every DTensor replaced by its local shard."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.state = {
+            p: {k: _local(v) if isinstance(v, Tensor) else v for k, v in s.items()} for p, s in optimizer.state.items()
+        }
+
+
+def _local_optimizer(optimizer: Any) -> Any:
+    """torch's ``ZeroRedundancyOptimizer`` keeps this rank's state in its local optimizer, ``.optim``."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+
+
+def strategy_model_state_bytes(strategy: Any) -> ModelStateBytes:
+    """This rank's model-state bytes under a Lightning ``strategy`` (while fitting, before its teardown).
+
+    A strategy that counts its own (lightning_zero's: ``strategy.model_state_bytes()``, with its flat buffers and
+    buckets as ``strategy_buffers``) is asked. Otherwise the LightningModule's parameters, their gradients and the
+    optimizers' state are counted, by local shard for DTensors; such a strategy's own buffers are not visible here
+    (``strategy_buffers`` is 0).
+    """
+    own = getattr(strategy, "model_state_bytes", None)
+    if callable(own):
+        return own()
+    module = strategy.lightning_module
+    params = module.parameters() if module is not None else ()
+    optimizers = [LocalOptimizerState(_local_optimizer(o)) for o in strategy.optimizers]
+    return model_state_bytes(local_shards(params), optimizers)

@@ -11,8 +11,12 @@ With no arguments it runs the embedded demo: a character-level GPT on the stdlib
 Settings are checked right after composition (:func:`lightning_zero.config.validate_config`): a bad value exits
 with one message before any process starts. Multi-process runs: Lightning's popen launcher re-executes this command
 for each extra local rank with ``hydra.run.dir`` pinned to this run's directory, so every rank writes into one run
-dir (rank ``r`` logs to ``train_ddp_process_<r>.log`` there). Multirun (``-m``) with multi-process jobs is not
-supported yet.
+dir (rank ``r`` logs to ``train_ddp_process_<r>.log`` there). Sweeps of multi-process jobs work::
+
+    lightning-zero-train -m strategy=ddp_scratch,zero1_scratch,zero3_scratch trainer.max_steps=50
+
+each job's extra ranks re-run only that job, in that job's directory, and each job ends with its ranks reaped, its
+process group destroyed and the environment restored (:mod:`lightning_zero.multirun`).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_zero.config import ConfigError, register_configs, validate_config
+from lightning_zero.multirun import JobScope
 
 log = logging.getLogger(__name__)
 
@@ -49,11 +54,8 @@ def _set_threads(cfg: DictConfig) -> None:
     torch.set_num_threads(int(threads))
 
 
-def train(cfg: DictConfig) -> dict[str, Any]:
-    """Instantiate data, model, callbacks, loggers, strategy and trainer from ``cfg``; fit, then validate.
-
-    Returns ``{"metrics": <validation metrics>, "ppl_history": [(step, val_ppl), ...], "trainer": <Trainer>}``.
-    """
+def build(cfg: DictConfig) -> dict[str, Any]:
+    """Instantiate data, model, callbacks, loggers, strategy and trainer from ``cfg``; no process is started yet."""
     import lightning as L
     from hydra.utils import instantiate
 
@@ -63,26 +65,41 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     L.seed_everything(cfg.seed, workers=True)
     datamodule = instantiate(cfg.data)
     optimizer = instantiate(cfg.optimizer) if cfg.get("optimizer") else None
-    model = instantiate(cfg.model, vocab_size=datamodule.vocab_size, optimizer=optimizer)
+    # What the model needs from the data: {"vocab_size": ...} (char demo), {"in_features": ..., "num_classes": ...}.
+    model_kwargs = getattr(datamodule, "model_kwargs", dict)()
+    model = instantiate(cfg.model, optimizer=optimizer, **model_kwargs)
     callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c is not None]
     loggers = [instantiate(c) for c in (cfg.get("logger") or {}).values() if c is not None]
     strategy = instantiate(cfg.strategy)
     trainer = instantiate(cfg.trainer, strategy=strategy, callbacks=callbacks, logger=loggers or False)
     for logger in loggers:
         logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
+    return {"trainer": trainer, "model": model, "datamodule": datamodule}
 
-    log.info("rank %d of %d: fitting with %s", trainer.global_rank, trainer.world_size, type(strategy).__name__)
+
+def fit_and_validate(trainer: Any, model: Any, datamodule: Any) -> dict[str, Any]:
+    """Fit, then validate. Returns ``{"metrics": ..., "history": [(step, value), ...], "history_metric": name,
+    "trainer": ...}``: ``history`` is the module's ``val_history`` (one entry per validation pass, the sanity check
+    included), the values of its ``history_metric`` (``val/ppl`` for the char demo, ``val/loss`` for digits).
+    """
+    log.info("rank %d of %d: fitting with %s", trainer.global_rank, trainer.world_size, type(trainer.strategy).__name__)
     trainer.fit(model, datamodule=datamodule)
-    history = list(model.ppl_history)
+    history = list(getattr(model, "val_history", []))
     results = trainer.validate(model, datamodule=datamodule, verbose=False)
     metrics = {k: float(v) for k, v in (results[0] if results else {}).items()}
     log.info("rank %d of %d: done, validation metrics %s", trainer.global_rank, trainer.world_size, metrics)
-    return {"metrics": metrics, "ppl_history": history, "trainer": trainer}
+    name = getattr(model, "history_metric", "")
+    return {"metrics": metrics, "history": history, "history_metric": name, "trainer": trainer}
+
+
+def train(cfg: DictConfig) -> dict[str, Any]:
+    """:func:`build` then :func:`fit_and_validate`."""
+    return fit_and_validate(**build(cfg))
 
 
 def _report(out: dict[str, Any], output_dir: str, job_name: str) -> None:
     trainer = out["trainer"]
-    history, metrics = out["ppl_history"], out["metrics"]
+    history, name, metrics = out["history"], out["history_metric"], out["metrics"]
     lines = [f"outputs: {output_dir}"]
     ckpt = next((c for c in trainer.checkpoint_callbacks), None)
     if ckpt is not None:
@@ -91,11 +108,10 @@ def _report(out: dict[str, Any], output_dir: str, job_name: str) -> None:
         lines.append(f"  {type(logger).__name__}: {logger.log_dir}")
     if trainer.world_size > 1:
         lines.append(f"  logs: {output_dir}/{job_name}.log and train_ddp_process_<rank>.log")
-    if history:
+    if history and name:
         first_step, first = history[0]
-        lines.append(
-            f"val/ppl: first {first:.2f} (step {first_step}), final {metrics.get('val/ppl', float('nan')):.2f}"
-        )
+        final = metrics.get(name, float("nan"))
+        lines.append(f"{name}: first {first:.4f} (step {first_step}), final {final:.4f}")
     print("\n".join(lines), flush=True)
 
 
@@ -109,7 +125,10 @@ def main(cfg: DictConfig) -> float | None:
     except ConfigError as err:
         raise SystemExit(f"lightning-zero-train: invalid configuration: {err}") from None
     hydra_cfg = HydraConfig.get()
-    out = train(cfg)
+    with JobScope() as job:
+        parts = build(cfg)
+        job.attach(parts["trainer"])
+        out = fit_and_validate(**parts)
     if out["trainer"].is_global_zero:
         _report(out, hydra_cfg.runtime.output_dir, hydra_cfg.job.name)
     value = out["metrics"].get(cfg.get("optimized_metric") or "")

@@ -9,12 +9,7 @@ one tiny 2-process ``zero3_scratch`` run exits 0 and leaves its checkpoint, csv 
 
 from __future__ import annotations
 
-import contextlib
-import os
 import re
-import signal
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,14 +24,12 @@ from omegaconf import OmegaConf
 import lightning_zero
 from lightning_zero.config import ConfigError, ScratchDDPStrategyConf, ZeroStrategyConf, validate_config
 from lightning_zero.demo import CharGPTModule, CharTextDataModule
-from tests.helpers.workers import free_port
+from tests.helpers.cli import run_cli
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CONF_DIR = REPO_ROOT / "conf"
 GROUPS = ("trainer", "strategy", "model", "data", "optimizer", "callbacks", "logger", "experiment")
 OUR_STRATEGIES = ("ddp_scratch", "zero1_scratch", "zero2_scratch", "zero3_scratch")
-# Variables through which a launcher tells Lightning that processes already exist: never leak them into the CLI.
-_DIST_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR")
 
 
 def _options(group: str) -> list[str]:
@@ -59,7 +52,7 @@ def compose_cfg(tmp_path: Path) -> Iterator:
 def test_every_group_has_its_options() -> None:
     assert set(_options("strategy")) >= {*OUR_STRATEGIES, "ddp"}
     assert set(_options("trainer")) >= {"cpu", "gpu", "ddp_sim"}
-    assert _options("logger") == ["csv"]
+    assert {"csv", "tensorboard"} <= set(_options("logger"))
     for group in (*GROUPS, "hydra"):
         assert _options(group), f"conf/{group}/ has no options"
 
@@ -172,38 +165,9 @@ def test_schema_rejects_unknown_keys_in_a_strategy_yaml(compose_cfg) -> None:
 # ---- the CLI as a subprocess ------------------------------------------------------------------------------------
 
 
-def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in _DIST_VARS and not k.startswith(("PL_", "TORCHELASTIC_"))}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", MASTER_PORT=str(free_port()), **extra)
-    return env
-
-
-def _run_cli(args: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
-    """Run ``python -m lightning_zero.train`` in its own session; on a timeout kill the session (rank 1 too)."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "lightning_zero.train", *args],
-        cwd=cwd,
-        env=_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"lightning-zero-train {' '.join(args)} ran past {timeout} s:\n{out[-6000:]}")
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)  # nothing may outlive the run
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, None)
-
-
 @pytest.mark.timeout(60)
 def test_cli_bad_override_exits_non_zero_with_one_message(tmp_path: Path) -> None:
-    result = _run_cli(["strategy.stage=4"], tmp_path, timeout=45)
+    result = run_cli(["strategy.stage=4"], tmp_path, timeout=45)
     assert result.returncode != 0
     lines = [line for line in result.stdout.splitlines() if line.strip()]
     assert lines[-1] == (
@@ -226,8 +190,9 @@ def test_cli_tiny_two_process_zero3_run_writes_one_run_dir(tmp_path: Path) -> No
         "data.max_chars=40000",
         f"hydra.run.dir={run_dir}",
     ]
-    result = _run_cli(args, tmp_path, timeout=90)
+    result = run_cli(args, tmp_path, timeout=90)
     assert result.returncode == 0, result.stdout[-6000:]
+    assert not result.leftover, f"processes outlived the run: {result.leftover}"
     assert f"outputs: {run_dir}" in result.stdout
     first, final = map(float, re.search(r"val/ppl: first ([\d.]+) \(step 0\), final ([\d.]+)", result.stdout).groups())
     assert final < first

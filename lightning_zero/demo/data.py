@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from functools import cached_property
+from typing import Any
 
 import lightning as L
 import torch
@@ -77,6 +78,10 @@ class CharTextDataModule(L.LightningDataModule):
     @property
     def vocab_size(self) -> int:
         return len(self.vocab)
+
+    def model_kwargs(self) -> dict[str, Any]:
+        """The arguments a model needs from this data: ``vocab_size``."""
+        return {"vocab_size": self.vocab_size}
 
     def encode(self, text: str) -> torch.Tensor:
         index = {c: i for i, c in enumerate(self.vocab)}

@@ -1,9 +1,14 @@
-"""A small character-level GPT as a LightningModule, built in ``configure_model()`` (meta-device safe)."""
+"""A small character-level GPT as a LightningModule, built in ``configure_model()`` (meta-device safe).
+
+Under Lightning's ``ModelParallelStrategy`` (``strategy=fsdp2``) ``configure_model()`` also applies torch's FSDP2
+``fully_shard`` to every transformer block and then to the whole network, on the device mesh's ``data_parallel``
+dimension: the CPU-capable peer of ``zero3_scratch``.
+"""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import lightning as L
@@ -11,6 +16,22 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 from torchmetrics.text import Perplexity
+
+try:
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+except ImportError:  # torch < 2.6
+    from torch.distributed._composable.fsdp import FSDPModule, fully_shard
+
+
+def shard_fsdp2(root: nn.Module, units: Iterable[nn.Module], device_mesh: Any) -> None:
+    """FSDP2 over the mesh's ``data_parallel`` dimension: ``fully_shard`` each of ``units``, then ``root`` (the rest
+    of the parameters); nothing if ``device_mesh`` is ``None`` (not ``ModelParallelStrategy``) or ``root`` is
+    sharded already (a later fit of the same module)."""
+    if device_mesh is None or isinstance(root, FSDPModule):
+        return
+    for unit in units:
+        fully_shard(unit, mesh=device_mesh["data_parallel"])
+    fully_shard(root, mesh=device_mesh["data_parallel"])
 
 
 class Block(nn.Module):
@@ -65,8 +86,11 @@ class CharGPTModule(L.LightningModule):
         min_lr_ratio: final learning rate as a fraction of the initial one.
 
     ``ppl_history`` holds ``(global_step, val_ppl)`` for every validation pass, the sanity check included (step 0,
-    the untrained model), so a run can report its first and last perplexity.
+    the untrained model), so a run can report its first and last perplexity. ``val_history`` is the same list under
+    the name every demo module shares (the history of its optimized metric, ``val/ppl`` here).
     """
+
+    history_metric = "val/ppl"
 
     def __init__(
         self,
@@ -91,11 +115,17 @@ class CharGPTModule(L.LightningModule):
         self.val_ppl = Perplexity()
         self.ppl_history: list[tuple[int, float]] = []
 
+    @property
+    def val_history(self) -> list[tuple[int, float]]:
+        """``(global_step, val/ppl)`` per validation pass: the history of this module's optimized metric."""
+        return self.ppl_history
+
     def configure_model(self) -> None:
-        if self.net is not None:
-            return
-        h = self.hparams
-        self.net = CharGPT(h.vocab_size, h.block_size, h.n_layer, h.n_head, h.n_embd, h.dropout)
+        """Build the network (first call only); under ``ModelParallelStrategy`` shard it with FSDP2."""
+        if self.net is None:
+            h = self.hparams
+            self.net = CharGPT(h.vocab_size, h.block_size, h.n_layer, h.n_head, h.n_embd, h.dropout)
+        shard_fsdp2(self.net, self.net.blocks, self.device_mesh)  # device_mesh: only under ModelParallelStrategy
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         assert self.net is not None, "configure_model() builds the network"

@@ -21,6 +21,7 @@ import lightning.pytorch as pl
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.trainer.states import TrainerFn
+from torch import Tensor
 from typing_extensions import override
 
 from lightning_zero.reducer import GradientReducer
@@ -62,6 +63,12 @@ class ScratchDDPStrategy(ScratchParallelStrategy):
     def reducer(self) -> GradientReducer | None:
         """The gradient engine while fitting, else ``None``."""
         return self._reducer
+
+    @property
+    @override
+    def strategy_buffers(self) -> list[Tensor]:
+        """The reducer's gradient buckets while fitting (gradients are views into them), else none."""
+        return self._reducer.buffers if self._reducer is not None else []
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:

@@ -34,8 +34,8 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 from lightning.pytorch.trainer.states import TrainerFn
+from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -43,13 +43,13 @@ from lightning_zero import sharded_params_state as sp_state
 from lightning_zero.checkpoint import is_sharded_checkpoint, load_sharded, read_metadata, save_sharded
 from lightning_zero.sharded_optimizer import GRAD_SYNC_MODES, ShardedOptimizer
 from lightning_zero.sharded_params import ShardedParams
-from lightning_zero.strategies.base import ScratchParallelStrategy
+from lightning_zero.strategies.base import ScratchParallelStrategy, SpawnLauncher
 
 STAGES = (1, 2, 3)
 STATE_DICT_TYPES = ("sharded", "full")
 
 
-class _FullWeightsLauncher(_MultiProcessingLauncher):
+class _FullWeightsLauncher(SpawnLauncher):
     """Spawn launcher for stage 3: rank 0's weights go back to the main process gathered, not as placeholders."""
 
     @override
@@ -122,16 +122,30 @@ class ZeroStrategy(ScratchParallelStrategy):
         self._params: ShardedParams | None = None
         self._init_rng_state: dict[str, torch.Tensor] | None = None
         self._restored_sharded = False
+        self.strategy_name = f"zero{stage}_scratch"  # the registered name of this stage (run reports use it)
 
     @property
     def engine(self) -> ShardedOptimizer | ShardedParams | None:
         """The ZeRO engine of the current (or last) fit, else ``None``."""
         return self._params if self.stage == 3 else self._engine
 
+    @property
+    @override
+    def strategy_buffers(self) -> list[Tensor]:
+        """The engine's flat buffers, gradient accumulators and buckets (see its ``strategy_buffers``), else none."""
+        engine = self.engine
+        return engine.strategy_buffers if engine is not None else []
+
+    @override
+    def model_state_params(self) -> list[Tensor]:
+        """The module's parameters plus the engine's shard parameters (which the optimizer steps)."""
+        engine = self.engine
+        return super().model_state_params() + (list(engine.shard_params) if engine is not None else [])
+
     @override
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
-        if self.stage == 3 and isinstance(self._launcher, _MultiProcessingLauncher):
+        if self.stage == 3 and isinstance(self._launcher, SpawnLauncher):
             self._launcher = _FullWeightsLauncher(self, start_method=self._start_method)
 
     @contextmanager

@@ -1,0 +1,200 @@
+"""A second demo task: scikit-learn's 8x8 handwritten digits and a small MLP classifier (``data=digits``,
+``model=digits_mlp``, ``experiment=digits_mlp``).
+
+The images ship inside scikit-learn (1,797 of them, 10 classes, no download), which is imported only when the data
+is loaded, so the core package works without it; it comes with ``pip install "lightning-zero[examples]"``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import lightning as L
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+from torchmetrics import MeanMetric
+from torchmetrics.classification import MulticlassAccuracy
+
+from lightning_zero.demo.model import shard_fsdp2
+
+EXTRA_HINT = 'pip install "lightning-zero[examples]"'
+NUM_FEATURES, NUM_CLASSES = 64, 10
+
+
+def load_digits_arrays() -> tuple[torch.Tensor, torch.Tensor]:
+    """All 1,797 digits as ``(images, labels)``: float32 ``(N, 64)`` pixels scaled to [0, 1], int64 ``(N,)``."""
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError as err:
+        raise ImportError(f"the digits demo needs scikit-learn: {EXTRA_HINT}") from err
+    images, labels = load_digits(return_X_y=True)
+    return torch.as_tensor(images, dtype=torch.float32) / 16.0, torch.as_tensor(labels, dtype=torch.long)
+
+
+class DigitsDataModule(L.LightningDataModule):
+    """scikit-learn's 8x8 digits, split once into train/val/test by ``split_seed`` (the same split on every rank).
+
+    Args:
+        batch_size: samples per batch and process.
+        val_fraction, test_fraction: shares of the 1,797 images held out; the rest is for training.
+        split_seed: seed of the permutation that makes the split (independent of the global seed).
+        num_workers: data-loader worker processes.
+    """
+
+    def __init__(
+        self,
+        batch_size: int = 64,
+        val_fraction: float = 0.15,
+        test_fraction: float = 0.15,
+        split_seed: int = 0,
+        num_workers: int = 0,
+    ) -> None:
+        super().__init__()
+        if batch_size < 1:
+            raise ValueError(f"batch_size={batch_size} is invalid: expected an integer >= 1")
+        if not (0 < val_fraction < 1 and 0 <= test_fraction < 1 and val_fraction + test_fraction < 1):
+            raise ValueError(
+                f"val_fraction={val_fraction}, test_fraction={test_fraction} are invalid: expected val_fraction in"
+                " (0, 1), test_fraction in [0, 1) and a sum below 1"
+            )
+        try:  # fail when the config is instantiated, not later in setup()
+            import sklearn  # noqa: F401
+        except ImportError as err:
+            raise ImportError(f"DigitsDataModule needs scikit-learn: {EXTRA_HINT}") from err
+        self.save_hyperparameters()
+        self.batch_size, self.num_workers = batch_size, num_workers
+        self.val_fraction, self.test_fraction, self.split_seed = val_fraction, test_fraction, split_seed
+        self.train_set: TensorDataset | None = None
+        self.val_set: TensorDataset | None = None
+        self.test_set: TensorDataset | None = None
+
+    def model_kwargs(self) -> dict[str, Any]:
+        """The arguments a model needs from this data: ``in_features`` and ``num_classes``."""
+        return {"in_features": NUM_FEATURES, "num_classes": NUM_CLASSES}
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_set is not None:
+            return
+        images, labels = load_digits_arrays()
+        order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(self.split_seed))
+        n_val, n_test = round(len(labels) * self.val_fraction), round(len(labels) * self.test_fraction)
+        val, test, train = order[:n_val], order[n_val : n_val + n_test], order[n_val + n_test :]
+        self.train_set = TensorDataset(images[train], labels[train])
+        self.val_set = TensorDataset(images[val], labels[val])
+        self.test_set = TensorDataset(images[test], labels[test])
+
+    def _loader(self, dataset: TensorDataset | None, shuffle: bool) -> DataLoader:
+        assert dataset is not None, "call setup() first"
+        return DataLoader(dataset, batch_size=self.batch_size, shuffle=shuffle, num_workers=self.num_workers)
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(self.train_set, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self.val_set, shuffle=False)
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader(self.test_set, shuffle=False)
+
+
+class DigitsMLPModule(L.LightningModule):
+    """An MLP classifier; logs ``train/loss``, ``val/loss``, ``val/acc`` (torchmetrics ``MulticlassAccuracy``) and,
+    in ``trainer.test``, ``test/loss`` and ``test/acc``.
+
+    Args:
+        in_features, num_classes: from the data module's ``model_kwargs()``.
+        hidden_sizes: widths of the hidden layers (ReLU, dropout after each).
+        dropout: dropout probability after each hidden layer.
+        optimizer: a partial optimizer (``params -> Optimizer``), e.g. Hydra's ``_partial_: true``; default AdamW.
+
+    The network is built in ``configure_model()`` (under ``strategy=fsdp2`` it is then sharded with FSDP2's
+    ``fully_shard``). ``val_history`` holds ``(global_step, val/loss)`` for every validation pass, the sanity check
+    included: the history of this module's optimized metric (``history_metric``).
+    """
+
+    history_metric = "val/loss"
+
+    def __init__(
+        self,
+        in_features: int = NUM_FEATURES,
+        num_classes: int = NUM_CLASSES,
+        hidden_sizes: Sequence[int] = (128, 64),
+        dropout: float = 0.1,
+        optimizer: Callable[..., torch.optim.Optimizer] | None = None,
+    ) -> None:
+        super().__init__()
+        if in_features < 1 or num_classes < 2 or any(int(h) < 1 for h in hidden_sizes):
+            raise ValueError(
+                f"in_features={in_features}, num_classes={num_classes}, hidden_sizes={list(hidden_sizes)}: expected"
+                " in_features >= 1, num_classes >= 2 and hidden sizes >= 1"
+            )
+        if not 0 <= dropout < 1:
+            raise ValueError(f"dropout={dropout} is invalid: expected a number in [0, 1)")
+        hidden = [int(h) for h in hidden_sizes]  # a plain list, also when Hydra passes a ListConfig
+        self.save_hyperparameters(
+            {"in_features": in_features, "num_classes": num_classes, "hidden_sizes": hidden, "dropout": dropout}
+        )
+        self.optimizer_factory = optimizer
+        self.net: nn.Sequential | None = None
+        self.val_loss, self.val_acc = MeanMetric(), MulticlassAccuracy(num_classes=num_classes)
+        self.test_loss, self.test_acc = MeanMetric(), MulticlassAccuracy(num_classes=num_classes)
+        self.val_history: list[tuple[int, float]] = []
+
+    def configure_model(self) -> None:
+        """Build the network (first call only); under ``ModelParallelStrategy`` shard it with FSDP2."""
+        if self.net is None:
+            h = self.hparams
+            layers: list[nn.Module] = []
+            width = h.in_features
+            for size in h.hidden_sizes:
+                layers += [nn.Linear(width, size), nn.ReLU(), nn.Dropout(h.dropout)]
+                width = size
+            self.net = nn.Sequential(*layers, nn.Linear(width, h.num_classes))
+        shard_fsdp2(self.net, [], self.device_mesh)  # one unit; device_mesh: only under ModelParallelStrategy
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.net is not None, "configure_model() builds the network"
+        return self.net(x)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        self.log("train/loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        logits = self(x)
+        self.val_loss.update(F.cross_entropy(logits, y), weight=len(y))
+        self.val_acc.update(logits, y)
+
+    def on_validation_epoch_end(self) -> None:
+        loss, acc = self.val_loss.compute(), self.val_acc.compute()  # collectives: every rank calls them
+        self.val_loss.reset()
+        self.val_acc.reset()
+        self.log("val/loss", loss, prog_bar=True, sync_dist=True)  # equal on every rank already
+        self.log("val/acc", acc, prog_bar=True, sync_dist=True)
+        self.val_history.append((self.global_step, float(loss)))
+
+    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        logits = self(x)
+        self.test_loss.update(F.cross_entropy(logits, y), weight=len(y))
+        self.test_acc.update(logits, y)
+
+    def on_test_epoch_end(self) -> None:
+        loss, acc = self.test_loss.compute(), self.test_acc.compute()
+        self.test_loss.reset()
+        self.test_acc.reset()
+        self.log("test/loss", loss, sync_dist=True)
+        self.log("test/acc", acc, sync_dist=True)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        decay = [p for p in self.parameters() if p.ndim >= 2]
+        no_decay = [p for p in self.parameters() if p.ndim < 2]
+        groups = [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
+        factory = self.optimizer_factory or (lambda params: torch.optim.AdamW(params, lr=1e-3))
+        return factory(groups)

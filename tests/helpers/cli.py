@@ -1,0 +1,84 @@
+"""Run ``lightning-zero-train`` (``python -m lightning_zero.train``) as a subprocess, as a user would.
+
+Lightning's popen launcher re-executes ``sys.argv`` for rank 1, which inside pytest would re-run pytest, so CLI runs
+are always subprocesses. Each runs in its own session: on a timeout the whole session is killed, and after a normal
+exit :attr:`CliRun.leftover` says whether any process of that session (an orphaned rank) was still alive.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.workers import free_port
+
+# Variables through which a launcher tells Lightning that processes already exist: never leak them into the CLI.
+_DIST_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR")
+
+
+@dataclass
+class CliRun:
+    returncode: int
+    stdout: str  # stdout and stderr together
+    leftover: list[str]  # processes of the run's session that outlived it: 'pid command'
+
+
+def cli_env(pin_port: bool = True) -> dict[str, str]:
+    """The test process's environment without rank variables; ``pin_port``: a free ``MASTER_PORT`` (else none)."""
+    env = {k: v for k, v in os.environ.items() if k not in _DIST_VARS and not k.startswith(("PL_", "TORCHELASTIC_"))}
+    env.pop("MASTER_PORT", None)
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    if pin_port:
+        env["MASTER_PORT"] = str(free_port())
+    return env
+
+
+def _session_members(pgid: int, grace: float = 3.0) -> list[str]:
+    """The processes still in process group ``pgid`` after ``grace`` seconds (``pid command`` each).
+
+    The grace covers helpers that exit on their own right after their parent, such as multiprocessing's resource
+    tracker (it leaves when its pipe from the spawning process closes).
+    """
+    deadline = time.monotonic() + grace
+    while True:
+        ps = subprocess.run(["ps", "-eo", "pid=,pgid=,args="], capture_output=True, text=True, check=True).stdout
+        members = [
+            f"{pid} {args}"
+            for pid, group, args in (line.split(None, 2) for line in ps.splitlines())
+            if int(group) == pgid
+        ]
+        if not members or time.monotonic() > deadline:
+            return members
+        time.sleep(0.2)
+
+
+def run_cli(args: list[str], cwd: Path, timeout: float, env: dict[str, str] | None = None) -> CliRun:
+    """``python -m lightning_zero.train *args`` in ``cwd``; fails the test if it runs past ``timeout`` seconds."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lightning_zero.train", *args],
+        cwd=cwd,
+        env=cli_env() if env is None else env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"lightning-zero-train {' '.join(args)} ran past {timeout} s:\n{out[-6000:]}")
+    leftover = _session_members(proc.pid)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)  # nothing may outlive the run, whatever the test asserts
+    return CliRun(proc.returncode, out, leftover)
