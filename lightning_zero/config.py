@@ -15,13 +15,14 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_zero.sharded_optimizer import GRAD_SYNC_MODES
+from lightning_zero.strategies.base import START_METHODS
+from lightning_zero.strategies.zero import STAGES, STATE_DICT_TYPES
+
 # Hydra's structured configs need ``Optional[...]`` (not ``X | None``) on Python 3.10.
 # ruff: noqa: UP045
 
-STAGES = (1, 2, 3)
-GRAD_SYNC_MODES = ("boundary", "microbatch")
-STATE_DICT_TYPES = ("sharded", "full")
-START_METHODS = ("popen", "spawn", "fork", "forkserver")
+# The CLI accepts the backends it can run (the strategies also take "mpi" and "ucc").
 BACKENDS = ("gloo", "nccl")
 MODEL_PARALLEL_TARGET = "lightning.pytorch.strategies.ModelParallelStrategy"  # strategy=fsdp2
 

@@ -27,7 +27,6 @@ ranks rank 0 started, so the command returns after every rank of the run.
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import subprocess
@@ -154,9 +153,6 @@ class JobScope:
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
         self._trainer = None
-        # The rendezvous store's server socket closes only when its last reference goes; the job's trainer, module
-        # and engines sit in reference cycles. Collect them now, so a pinned MASTER_PORT is free for the next job.
-        gc.collect()
         os.environ.clear()
         os.environ.update(self._saved_env)
         sys.argv = self._saved_argv

@@ -10,13 +10,10 @@ one tiny 2-process ``zero3_scratch`` run exits 0 and leaves its checkpoint, csv 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_module
-from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import ConfigCompositionException, MissingConfigException
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
@@ -25,42 +22,24 @@ import lightning_zero
 from lightning_zero.config import ConfigError, ScratchDDPStrategyConf, ZeroStrategyConf, validate_config
 from lightning_zero.demo import CharGPTModule, CharTextDataModule
 from tests.helpers.cli import run_cli
+from tests.helpers.conf import options
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-CONF_DIR = REPO_ROOT / "conf"
 GROUPS = ("trainer", "strategy", "model", "data", "optimizer", "callbacks", "logger", "experiment")
 OUR_STRATEGIES = ("ddp_scratch", "zero1_scratch", "zero2_scratch", "zero3_scratch")
 
 
-def _options(group: str) -> list[str]:
-    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
-
-
-@pytest.fixture
-def compose_cfg(tmp_path: Path) -> Iterator:
-    """``compose_cfg(*overrides)``: the composed ``train`` config, outputs pointed at ``tmp_path``."""
-    GlobalHydra.instance().clear()
-    with initialize_config_module(config_module="lightning_zero.conf", version_base="1.3"):
-
-        def _compose(*overrides: str):
-            return compose(config_name="train", overrides=[f"paths.output_dir={tmp_path}", *overrides])
-
-        yield _compose
-    GlobalHydra.instance().clear()
-
-
-def test_every_group_has_its_options() -> None:
-    assert set(_options("strategy")) >= {*OUR_STRATEGIES, "ddp"}
-    assert set(_options("trainer")) >= {"cpu", "gpu", "ddp_sim"}
-    assert {"csv", "tensorboard"} <= set(_options("logger"))
+def test_every_group_has_itsoptions() -> None:
+    assert set(options("strategy")) >= {*OUR_STRATEGIES, "ddp"}
+    assert set(options("trainer")) >= {"cpu", "gpu", "ddp_sim"}
+    assert {"csv", "tensorboard"} <= set(options("logger"))
     for group in (*GROUPS, "hydra"):
-        assert _options(group), f"conf/{group}/ has no options"
+        assert options(group), f"conf/{group}/ has no options"
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("group", GROUPS)
 def test_every_option_composes_and_validates(compose_cfg, group: str) -> None:
-    for option in _options(group):
+    for option in options(group):
         cfg = compose_cfg(f"{group}={option}")
         validate_config(cfg)
         assert cfg.trainer._target_ == "lightning.pytorch.Trainer"

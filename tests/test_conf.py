@@ -18,7 +18,6 @@ import math
 import struct
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -27,8 +26,6 @@ import lightning as L
 import pytest
 import torch
 import yaml
-from hydra import compose, initialize_config_module
-from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import InstantiationException
 from hydra.utils import get_class, instantiate
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, Strategy
@@ -38,9 +35,8 @@ from lightning_zero.config import ConfigError, validate_config
 from lightning_zero.demo import CharGPTModule, CharTextDataModule, DigitsDataModule, DigitsMLPModule
 from lightning_zero.demo.digits import load_digits_arrays
 from tests.helpers.cli import cli_env, run_cli
+from tests.helpers.conf import CONF_DIR, REPO_ROOT, options
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-CONF_DIR = REPO_ROOT / "conf"
 # Every group of train.yaml's defaults list that holds job settings (hydra/ holds Hydra's own run-dir settings and
 # is part of every composition below).
 GROUPS = ("trainer", "strategy", "data", "model", "optimizer", "callbacks", "logger", "experiment", "hparams_search")
@@ -54,24 +50,6 @@ QUIET = ["trainer.enable_progress_bar=false", "~callbacks.progress_bar"]
 HAS_OPTUNA = importlib.util.find_spec("hydra_plugins.hydra_optuna_sweeper") is not None
 HAS_TENSORBOARD = any(importlib.util.find_spec(m) is not None for m in ("tensorboardX", "tensorboard"))
 NEEDS_OPTUNA = 'the optuna extra is not installed: pip install "lightning-zero[optuna]"'
-
-
-def _options(group: str) -> list[str]:
-    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
-
-
-@pytest.fixture
-def compose_cfg(tmp_path: Path) -> Iterator:
-    """``compose_cfg(*overrides, hydra=False)``: the composed ``train`` config, outputs under ``tmp_path``."""
-    GlobalHydra.instance().clear()
-    with initialize_config_module(config_module="lightning_zero.conf", version_base="1.3"):
-
-        def _compose(*overrides: str, hydra: bool = False) -> DictConfig:
-            overrides = (f"paths.output_dir={tmp_path}", *overrides)
-            return compose(config_name="train", overrides=list(overrides), return_hydra_config=hydra)
-
-        yield _compose
-    GlobalHydra.instance().clear()
 
 
 def _overrides_for(group: str, option: str) -> list[str]:
@@ -110,15 +88,15 @@ def test_every_yaml_says_what_it_is() -> None:
 
 
 def test_the_issue_5_options_exist() -> None:
-    assert {"fsdp", "fsdp2", "ddp"} <= set(_options("strategy"))
-    assert {"csv", "tensorboard"} <= set(_options("logger"))
-    assert "digits" in _options("data") and "digits_mlp" in _options("model")
-    assert "digits_mlp" in _options("experiment") and _options("hparams_search") == ["optuna"]
+    assert {"fsdp", "fsdp2", "ddp"} <= set(options("strategy"))
+    assert {"csv", "tensorboard"} <= set(options("logger"))
+    assert "digits" in options("data") and "digits_mlp" in options("model")
+    assert "digits_mlp" in options("experiment") and options("hparams_search") == ["optuna"]
 
 
 @pytest.mark.timeout(180)
 @pytest.mark.filterwarnings("ignore::DeprecationWarning:optuna.*")  # optuna 2.10 on SQLAlchemy 1.4's 2.0 warnings
-@pytest.mark.parametrize(("group", "option"), [(g, o) for g in GROUPS for o in _options(g)])
+@pytest.mark.parametrize(("group", "option"), [(g, o) for g in GROUPS for o in options(g)])
 def test_every_option_composes_and_instantiates(compose_cfg, group: str, option: str) -> None:
     if group == "hparams_search" and not HAS_OPTUNA:
         pytest.skip(NEEDS_OPTUNA)  # hydra/sweeper=optuna does not even compose without the plugin

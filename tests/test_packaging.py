@@ -12,11 +12,8 @@ sdist as a release would; ``twine check --strict`` on both; then the wheel in a 
 
 from __future__ import annotations
 
-import contextlib
 import importlib.metadata
-import os
 import shutil
-import signal
 import subprocess
 import sys
 import tarfile
@@ -26,6 +23,7 @@ from pathlib import Path
 import pytest
 
 import lightning_zero
+from tests.helpers.cli import CliRun, cli_env, run_command
 
 try:
     import tomllib
@@ -34,21 +32,9 @@ except ModuleNotFoundError:  # Python 3.10
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DIST_NAME = "lightning-zero"
-# Variables through which a launcher tells Lightning that processes already exist, and PYTHONPATH (which could
-# put the checkout ahead of the installed wheel): none may reach the installed CLI.
-_STRIP_VARS = (
-    "RANK",
-    "LOCAL_RANK",
-    "WORLD_SIZE",
-    "NODE_RANK",
-    "GROUP_RANK",
-    "LOCAL_WORLD_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "PYTHONPATH",
-    "PYTHONHOME",
-    "VIRTUAL_ENV",
-)
+# Besides the rank variables (tests/helpers/cli.py drops those): variables that could put the checkout or another
+# environment ahead of the installed wheel.
+_STRIP_VARS = ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")
 
 
 def _setuptools_config() -> dict:
@@ -139,36 +125,12 @@ def _clean_copy(dest: Path) -> Path:
     return dest
 
 
-def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in _STRIP_VARS and not k.startswith(("PL_", "TORCHELASTIC_"))}
-    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **extra)
-    return env
+def _run(cmd: list[str | Path], cwd: Path, timeout: float) -> CliRun:
+    """Run ``cmd`` in its own session (see :func:`tests.helpers.cli.run_command`), without rank or path variables."""
+    return run_command([str(c) for c in cmd], cwd, timeout, cli_env(pin_port=False, strip=_STRIP_VARS))
 
 
-def _run(cmd: list[str | Path], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
-    """Run ``cmd`` in its own session; on a timeout kill the session (a launched rank 1 too) and fail."""
-    proc = subprocess.Popen(
-        [str(c) for c in cmd],
-        cwd=cwd,
-        env=_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"{' '.join(map(str, cmd))} ran past {timeout} s:\n{out[-6000:]}")
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)  # nothing may outlive the command
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, None)
-
-
-def _ok(result: subprocess.CompletedProcess) -> str:
+def _ok(result: CliRun) -> str:
     assert result.returncode == 0, f"{' '.join(result.args)} exited {result.returncode}:\n{result.stdout[-6000:]}"
     return result.stdout
 

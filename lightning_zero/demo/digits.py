@@ -165,32 +165,33 @@ class DigitsMLPModule(L.LightningModule):
         self.log("train/loss", loss, prog_bar=True)
         return loss
 
-    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+    def _update(self, batch: tuple[torch.Tensor, torch.Tensor], loss: MeanMetric, acc: MulticlassAccuracy) -> None:
         x, y = batch
         logits = self(x)
-        self.val_loss.update(F.cross_entropy(logits, y), weight=len(y))
-        self.val_acc.update(logits, y)
+        loss.update(F.cross_entropy(logits, y), weight=len(y))
+        acc.update(logits, y)
+
+    def _log_epoch(self, stage: str, loss: MeanMetric, acc: MulticlassAccuracy, prog_bar: bool) -> float:
+        """Log ``<stage>/loss`` and ``<stage>/acc`` over the epoch, reset the metrics; returns the loss."""
+        loss_value, acc_value = loss.compute(), acc.compute()  # collectives: every rank calls them
+        loss.reset()
+        acc.reset()
+        self.log(f"{stage}/loss", loss_value, prog_bar=prog_bar, sync_dist=True)  # equal on every rank already
+        self.log(f"{stage}/acc", acc_value, prog_bar=prog_bar, sync_dist=True)
+        return float(loss_value)
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self._update(batch, self.val_loss, self.val_acc)
 
     def on_validation_epoch_end(self) -> None:
-        loss, acc = self.val_loss.compute(), self.val_acc.compute()  # collectives: every rank calls them
-        self.val_loss.reset()
-        self.val_acc.reset()
-        self.log("val/loss", loss, prog_bar=True, sync_dist=True)  # equal on every rank already
-        self.log("val/acc", acc, prog_bar=True, sync_dist=True)
-        self.val_history.append((self.global_step, float(loss)))
+        loss = self._log_epoch("val", self.val_loss, self.val_acc, prog_bar=True)
+        self.val_history.append((self.global_step, loss))
 
     def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        x, y = batch
-        logits = self(x)
-        self.test_loss.update(F.cross_entropy(logits, y), weight=len(y))
-        self.test_acc.update(logits, y)
+        self._update(batch, self.test_loss, self.test_acc)
 
     def on_test_epoch_end(self) -> None:
-        loss, acc = self.test_loss.compute(), self.test_acc.compute()
-        self.test_loss.reset()
-        self.test_acc.reset()
-        self.log("test/loss", loss, sync_dist=True)
-        self.log("test/acc", acc, sync_dist=True)
+        self._log_epoch("test", self.test_loss, self.test_acc, prog_bar=False)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         decay = [p for p in self.parameters() if p.ndim >= 2]

@@ -26,14 +26,16 @@ _DIST_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "LO
 
 @dataclass
 class CliRun:
+    args: list[str]
     returncode: int
     stdout: str  # stdout and stderr together
     leftover: list[str]  # processes of the run's session that outlived it: 'pid command'
 
 
-def cli_env(pin_port: bool = True) -> dict[str, str]:
-    """The test process's environment without rank variables; ``pin_port``: a free ``MASTER_PORT`` (else none)."""
-    env = {k: v for k, v in os.environ.items() if k not in _DIST_VARS and not k.startswith(("PL_", "TORCHELASTIC_"))}
+def cli_env(pin_port: bool = True, strip: tuple[str, ...] = ()) -> dict[str, str]:
+    """The test process's environment without rank variables (and ``strip``); ``pin_port``: a free ``MASTER_PORT``."""
+    drop = (*_DIST_VARS, *strip)
+    env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith(("PL_", "TORCHELASTIC_"))}
     env.pop("MASTER_PORT", None)
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     if pin_port:
@@ -60,12 +62,12 @@ def _session_members(pgid: int, grace: float = 3.0) -> list[str]:
         time.sleep(0.2)
 
 
-def run_cli(args: list[str], cwd: Path, timeout: float, env: dict[str, str] | None = None) -> CliRun:
-    """``python -m lightning_zero.train *args`` in ``cwd``; fails the test if it runs past ``timeout`` seconds."""
+def run_command(cmd: list[str], cwd: Path, timeout: float, env: dict[str, str]) -> CliRun:
+    """Run ``cmd`` in ``cwd`` in its own session; fails the test if it runs past ``timeout`` seconds."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "lightning_zero.train", *args],
+        cmd,
         cwd=cwd,
-        env=cli_env() if env is None else env,
+        env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -77,8 +79,14 @@ def run_cli(args: list[str], cwd: Path, timeout: float, env: dict[str, str] | No
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
-        pytest.fail(f"lightning-zero-train {' '.join(args)} ran past {timeout} s:\n{out[-6000:]}")
+        pytest.fail(f"{' '.join(cmd)} ran past {timeout} s:\n{out[-6000:]}")
     leftover = _session_members(proc.pid)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)  # nothing may outlive the run, whatever the test asserts
-    return CliRun(proc.returncode, out, leftover)
+    return CliRun(cmd, proc.returncode, out, leftover)
+
+
+def run_cli(args: list[str], cwd: Path, timeout: float, env: dict[str, str] | None = None) -> CliRun:
+    """``python -m lightning_zero.train *args`` in ``cwd`` (see :func:`run_command`)."""
+    cmd = [sys.executable, "-m", "lightning_zero.train", *args]
+    return run_command(cmd, cwd, timeout, cli_env() if env is None else env)
