@@ -8,11 +8,19 @@ must happen before ``Trainer(...)``. Hydra configs that name ``_target_: lightni
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_zero.run_stats import RunStats
-from lightning_zero.strategies import ScratchDDPStrategy, ScratchParallelStrategy, ZeroStrategy
+from lightning_zero.strategies import RobustDDPStrategy, ScratchDDPStrategy, ScratchParallelStrategy, ZeroStrategy
 
 __version__ = "0.1.0.dev0"
 
 ScratchDDPStrategy.register_strategies(StrategyRegistry)
+RobustDDPStrategy.register_strategies(StrategyRegistry)
 ZeroStrategy.register_strategies(StrategyRegistry)
 
-__all__ = ["RunStats", "ScratchDDPStrategy", "ScratchParallelStrategy", "ZeroStrategy", "__version__"]
+__all__ = [
+    "RobustDDPStrategy",
+    "RunStats",
+    "ScratchDDPStrategy",
+    "ScratchParallelStrategy",
+    "ZeroStrategy",
+    "__version__",
+]

@@ -1,7 +1,8 @@
 """Typed Hydra configs for our strategies, and the checks ``lightning-zero-train`` runs before any process starts.
 
 The YAML files of the ``strategy`` group (``lightning_zero/conf/strategy/*_scratch.yaml``) extend the schemas stored
-here in Hydra's ConfigStore (``strategy/zero_scratch_schema``, ``strategy/ddp_scratch_schema``), so a misspelt key
+here in Hydra's ConfigStore (``strategy/zero_scratch_schema``, ``strategy/ddp_scratch_schema``,
+``strategy/robust_ddp_scratch_schema``), so a misspelt key
 or a value of the wrong type fails while the config is composed. Values out of range (``strategy.stage=4``) are
 caught by :func:`validate_config`, which builds the dataclass (its ``__post_init__``) and checks the trainer's
 settings, right after composition and before any ``Trainer`` or process exists.
@@ -10,11 +11,12 @@ settings, right after composition and before any ``Trainer`` or process exists.
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass, is_dataclass
+from dataclasses import dataclass, field, is_dataclass
 from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_zero.robust.aggregation import RobustAggregator
 from lightning_zero.sharded_optimizer import GRAD_SYNC_MODES
 from lightning_zero.strategies.base import START_METHODS
 from lightning_zero.strategies.zero import STAGES, STATE_DICT_TYPES
@@ -97,7 +99,58 @@ class ZeroStrategyConf:
         _check_common(self.process_group_backend, self.timeout, self.start_method)
 
 
-SCHEMAS: dict[str, type] = {"ddp_scratch_schema": ScratchDDPStrategyConf, "zero_scratch_schema": ZeroStrategyConf}
+@dataclass
+class RobustDDPStrategyConf:
+    """Schema of ``strategy=robust_ddp_scratch`` (:class:`lightning_zero.RobustDDPStrategy`). Names and parameters
+    are checked here; the tolerance bound of the rule for n = devices x num_nodes x workers_per_rank in
+    :func:`validate_config`."""
+
+    _target_: str = "lightning_zero.RobustDDPStrategy"
+    aggregator: str = "mean"
+    f: int = 0
+    aggregator_kwargs: dict[str, Any] = field(default_factory=dict)
+    pre_aggregators: list[Any] = field(default_factory=list)
+    workers_per_rank: int = 1
+    worker_momentum: float = 0.0
+    attack: Optional[str] = None
+    attack_kwargs: dict[str, Any] = field(default_factory=dict)
+    byzantine_workers: Optional[list[int]] = None
+    seed: int = 0
+    broadcast_buffers: bool = True
+    process_group_backend: Optional[str] = None
+    timeout: float = 1800.0
+    start_method: str = "popen"
+
+    def __post_init__(self) -> None:
+        if self.workers_per_rank < 1:
+            raise ConfigError(f"workers_per_rank={self.workers_per_rank!r} is invalid: expected an integer >= 1")
+        if not 0 <= self.worker_momentum < 1:
+            raise ConfigError(f"worker_momentum={self.worker_momentum!r} is invalid: expected a number in [0, 1)")
+        self.aggregator_pipeline()
+        _check_common(self.process_group_backend, self.timeout, self.start_method)
+
+    def aggregator_pipeline(self) -> RobustAggregator:
+        """The aggregator these settings build (unknown names and parameters raise :class:`ConfigError`)."""
+        try:
+            return RobustAggregator(
+                self.aggregator,
+                self.f,
+                self.aggregator_kwargs,
+                self.pre_aggregators,
+                self.attack,
+                self.attack_kwargs,
+                self.byzantine_workers,
+                self.seed,
+            )
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+
+
+SCHEMAS: dict[str, type] = {
+    "ddp_scratch_schema": ScratchDDPStrategyConf,
+    "zero_scratch_schema": ZeroStrategyConf,
+    "robust_ddp_scratch_schema": RobustDDPStrategyConf,
+}
 
 
 def register_configs() -> None:
@@ -134,9 +187,10 @@ def _check_devices(devices: Any) -> None:
 def validate_config(cfg: DictConfig) -> None:
     """Raise :class:`ConfigError` with one clear message if ``cfg`` cannot run; touches no process or device."""
     strategy = cfg.get("strategy")
+    schema = None
     if isinstance(strategy, DictConfig) and is_dataclass(OmegaConf.get_type(strategy)):
         try:
-            OmegaConf.to_object(strategy)  # builds the dataclass: runs its __post_init__
+            schema = OmegaConf.to_object(strategy)  # builds the dataclass: runs its __post_init__
         except ConfigError as err:
             raise ConfigError(f"strategy ({strategy._target_}): {err}") from None
     trainer = cfg.get("trainer")
@@ -156,6 +210,24 @@ def validate_config(cfg: DictConfig) -> None:
         raise ConfigError(f"trainer.max_steps={max_steps!r} is invalid: expected -1 (no limit) or an integer >= 1")
     if isinstance(strategy, DictConfig) and strategy.get("_target_") == MODEL_PARALLEL_TARGET:
         _check_model_parallel(strategy, trainer.get("devices", "auto"), num_nodes)
+    if isinstance(schema, RobustDDPStrategyConf):
+        _check_robust(schema, trainer.get("devices", "auto"), num_nodes)
+
+
+def _check_robust(schema: RobustDDPStrategyConf, devices: Any, num_nodes: int) -> None:
+    """The rule's tolerance bound for n = devices x num_nodes x workers_per_rank (when devices is a number)."""
+    if isinstance(devices, str) and devices.strip().isdigit():
+        devices = int(devices)
+    if not isinstance(devices, int) or devices < 1:
+        return  # 'auto', -1 or a list: the strategy checks n when the Trainer is built
+    n = devices * num_nodes * schema.workers_per_rank
+    try:
+        schema.aggregator_pipeline().validate(n)
+    except ValueError as err:
+        raise ConfigError(
+            f"strategy (robust_ddp_scratch): {err} (n = trainer.devices={devices} x trainer.num_nodes={num_nodes}"
+            f" x workers_per_rank={schema.workers_per_rank})"
+        ) from None
 
 
 def _check_model_parallel(strategy: DictConfig, devices: Any, num_nodes: int) -> None:

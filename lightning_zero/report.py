@@ -6,12 +6,24 @@ Runbook::
     lightning-zero-report outputs/multiruns/<stamp>             # writes report.md, report.csv and the plots there
     lightning-zero-report outputs/runs/<stamp> --out /tmp/rep   # a single run dir works too
 
+    # A robustness grid: final val/acc by aggregator x attack, one panel per data split.
+    lightning-zero-train -m experiment=robust_digits strategy.aggregator=mean,median,krum \
+        strategy.attack=null,sign_flip,ipm data.worker_split=iid,label_sorted
+    lightning-zero-report outputs/multiruns/<stamp> --heatmap strategy.aggregator strategy.attack \
+        --facet data.worker_split --metric val/acc
+
 Which dirs are jobs, which files are read and what a job's status means: :mod:`lightning_zero.sweep_results`.
 
 Outputs (in ``--out``, default the given dir): ``report.csv`` (every column), ``report.md`` (the main columns, the
 per-rank breakdown, problems, the plots), ``loss_curves.png`` (train loss against step per job, validation loss as
 markers) and ``step_time_memory.png`` (median step time and peak model-state MiB per job and rank, the latter split
 into params / grads / optimizer / strategy buffers). Plots need matplotlib: ``pip install "lightning-zero[report]"``.
+
+With ``--heatmap ROW COL`` (two override keys; ``--facet KEY`` for one panel per value of a third, ``--metric``,
+default ``val/acc``): the last logged value of the metric per job, pivoted by the keys' values
+(:func:`lightning_zero.sweep_results.pivot`), as tables at the end of ``report.md``, as ``heatmap.csv`` and as
+``heatmap.png``. ``n/a``: no such job, or it logged no value (it failed); ``default``: jobs that did not override
+the key.
 """
 
 from __future__ import annotations
@@ -28,13 +40,17 @@ from lightning_zero.sweep_results import (
     BREAKDOWN,
     MIB,
     JobResult,
+    Pivot,
     ReportError,
     collect,
     common_overrides,
+    pivot,
     varying_overrides,
 )
 
 INSTALL_HINT = 'plots need matplotlib: pip install "lightning-zero[report]"'
+NA = "n/a"
+HEATMAP_PNG, HEATMAP_CSV = "heatmap.png", "heatmap.csv"
 
 
 # ----------------------------------------------------------------------------------------------------- tables
@@ -95,8 +111,8 @@ def _fmt(value: Any, digits: int = 4) -> str:
     return str(value).replace("|", "\\|")
 
 
-def render_markdown(jobs: Sequence[JobResult], source: Path, plots: Sequence[str] = ()) -> str:
-    """``report.md``: the main table, per-rank model states, problems, and the plots (relative links)."""
+def render_markdown(jobs: Sequence[JobResult], source: Path, plots: Sequence[str] = (), appendix: str = "") -> str:
+    """``report.md``: the main table, per-rank model states, problems, the plots (relative links), ``appendix``."""
     val_keys = _val_keys(jobs)
     lines = [f"# Run report: {source}", ""]
     ok = sum(j.status == "ok" for j in jobs)
@@ -142,7 +158,70 @@ def render_markdown(jobs: Sequence[JobResult], source: Path, plots: Sequence[str
         lines += ["## Plots", ""]
         lines += [f"![{Path(p).stem}]({p})" for p in plots]
         lines.append("")
+    if appendix:
+        lines += [appendix.rstrip("\n"), ""]
     return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------------- heat map
+def _cell(value: float | None) -> str:
+    return NA if value is None else f"{value:.3f}"
+
+
+def _md(text: Any) -> str:
+    return str(text).replace("|", "\\|")
+
+
+def render_pivots(
+    panels: dict[str | None, Pivot],
+    row_key: str,
+    col_key: str,
+    metric: str,
+    facet_key: str | None = None,
+    image: str | None = None,
+) -> str:
+    """The heat map section of ``report.md``: one markdown table per facet value (rows ``row_key``, columns
+    ``col_key``, values with 3 decimals, ``n/a`` for missing or failed jobs), then ``image`` (a relative link)."""
+    lines = [f"## Heat map: {metric}", ""]
+    per = f", one table per `{facet_key}`" if facet_key is not None else ""
+    lines += [
+        f"The last logged `{metric}` of each job: rows `{row_key}`, columns `{col_key}`{per}. `n/a`: no such job,"
+        f" or it logged no `{metric}`; `default`: the jobs did not override the key.",
+        "",
+    ]
+    for facet, panel in panels.items():
+        if facet_key is not None:
+            lines += [f"### {facet_key}={facet}", ""]
+        lines.append("| " + " | ".join(_md(h) for h in (f"{row_key} \\ {col_key}", *panel.cols)) + " |")
+        lines.append("|" + "---|" * (len(panel.cols) + 1))
+        for r in panel.rows:
+            lines.append("| " + " | ".join(_md(c) for c in (r, *(_cell(panel.cells[r, c]) for c in panel.cols))) + " |")
+        shared = [(cell, names) for cell, names in panel.jobs.items() if len(names) > 1]
+        if shared:  # a key outside the pivot varies too (e.g. seed): say which cells are means
+            lines += [
+                "",
+                "Means over several jobs: " + "; ".join(f"{r} / {c}: jobs {', '.join(n)}" for (r, c), n in shared),
+            ]
+        lines.append("")
+    if image is not None:
+        lines += [f"![{Path(image).stem}]({image})", ""]
+    return "\n".join(lines)
+
+
+def write_pivot_csv(
+    panels: dict[str | None, Pivot], path: Path, row_key: str, col_key: str, facet_key: str | None = None
+) -> None:
+    """``heatmap.csv``: one line per facet value and row, one column per column value (``<col_key>=<value>``);
+    empty cells for missing or failed jobs, as in ``report.csv``."""
+    first = next(iter(panels.values()))
+    header = [*([facet_key] if facet_key is not None else []), row_key, *(f"{col_key}={c}" for c in first.cols)]
+    with path.open("w", newline="") as file:
+        writer = csv.writer(file)
+        writer.writerow(header)
+        for facet, panel in panels.items():
+            for r in panel.rows:
+                cells = ["" if panel.cells[r, c] is None else panel.cells[r, c] for c in panel.cols]
+                writer.writerow([*([facet] if facet_key is not None else []), r, *cells])
 
 
 # ----------------------------------------------------------------------------------------------------- plots
@@ -280,22 +359,88 @@ def plot_step_time_memory(jobs: Sequence[JobResult], path: Path) -> None:
     plt.close(fig)
 
 
+def plot_heatmap(
+    panels: dict[str | None, Pivot],
+    path: Path,
+    row_key: str,
+    col_key: str,
+    metric: str,
+    facet_key: str | None = None,
+) -> None:
+    """One heat map panel per facet value on one colour scale (one colorbar), each cell's value written in it;
+    cells without a value greyed and marked ``n/a``."""
+    plt = _pyplot()
+    import numpy as np
+
+    first = next(iter(panels.values()))
+    n_rows, n_cols = len(first.rows), len(first.cols)
+    found = [v for panel in panels.values() for v in panel.cells.values() if v is not None]
+    low, high = (min(found), max(found)) if found else (0.0, 1.0)
+    if high - low < 1e-12:  # one value: a zero-width scale would map everything to the bottom colour
+        low, high = low - 0.5, high + 0.5
+    cmap = plt.get_cmap("viridis").with_extremes(bad="lightgrey")
+    width = max(7.0, len(panels) * (1.2 * n_cols + 2.0) + 1.5)
+    height = max(4.5, 0.6 * n_rows + 2.8)
+    fig, axes = plt.subplots(1, len(panels), figsize=(width, height), layout="constrained", squeeze=False)
+    image = None
+    for ax, (facet, panel) in zip(axes[0], panels.items()):
+        grid = np.array(
+            [[np.nan if panel.cells[r, c] is None else panel.cells[r, c] for c in panel.cols] for r in panel.rows]
+        )
+        image = ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, vmin=low, vmax=high, aspect="auto")
+        for i in range(n_rows):
+            for j in range(n_cols):
+                value = grid[i, j]
+                if np.isnan(value):
+                    ax.text(j, i, NA, ha="center", va="center", fontsize=9, color="dimgray")
+                else:  # dark text on viridis' bright (yellow) end, light text on its dark end
+                    color = "black" if (value - low) / (high - low) > 0.6 else "white"
+                    ax.text(j, i, f"{value:.3f}", ha="center", va="center", fontsize=9, color=color)
+        ax.set_xticks(range(n_cols), panel.cols)
+        ax.set_yticks(range(n_rows), panel.rows)
+        ax.set(xlabel=col_key, ylabel=row_key)
+        if facet_key is not None:
+            ax.set_title(f"{facet_key}={facet}", fontsize=10)
+    assert image is not None
+    fig.colorbar(image, ax=axes[0].tolist(), label=metric)
+    fig.suptitle(f"{metric} (last logged value per job)")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 # ----------------------------------------------------------------------------------------------------- CLI
 PLOTS = {"loss_curves.png": plot_loss_curves, "step_time_memory.png": plot_step_time_memory}
 
 
-def write_report(root: Path, out: Path | None = None, plots: bool = True) -> dict[str, Path]:
+def write_report(
+    root: Path,
+    out: Path | None = None,
+    plots: bool = True,
+    heatmap: tuple[str, str] | None = None,
+    facet: str | None = None,
+    metric: str = "val/acc",
+) -> dict[str, Path]:
     """Parse ``root`` and write ``report.csv``, ``report.md`` and (``plots``) the PNGs into ``out`` (default ``root``).
 
-    Returns the written files by name. Raises :class:`ReportError` (with the install hint) when plots are asked for
-    and matplotlib is missing, after the tables are written.
+    With ``heatmap=(row_key, col_key)`` (and optionally ``facet``) also the pivot of ``metric``: tables appended to
+    ``report.md``, ``heatmap.csv`` and (``plots``) ``heatmap.png``.
+
+    Returns the written files by name. Raises :class:`ReportError` for heat map keys or a metric the jobs lack
+    (before anything is written), and (with the install hint) when plots are asked for and matplotlib is missing,
+    after the tables are written.
     """
     root = Path(root).resolve()
     jobs = collect(root)
+    if heatmap is None and facet is not None:
+        raise ReportError(f"facet={facet!r} needs a heat map: pass heatmap=(row_key, col_key)")
+    panels = pivot(jobs, heatmap[0], heatmap[1], metric, facet) if heatmap is not None else None
     out = Path(out) if out is not None else root
     out.mkdir(parents=True, exist_ok=True)
     written = {"report.csv": out / "report.csv"}
     write_csv(jobs, written["report.csv"])
+    if panels is not None and heatmap is not None:
+        written[HEATMAP_CSV] = out / HEATMAP_CSV
+        write_pivot_csv(panels, written[HEATMAP_CSV], *heatmap, facet)
     plot_names: list[str] = []
     error: ReportError | None = None
     if plots:
@@ -304,10 +449,16 @@ def write_report(root: Path, out: Path | None = None, plots: bool = True) -> dic
                 plot(jobs, out / name)
                 written[name] = out / name
                 plot_names.append(name)
+            if panels is not None and heatmap is not None:
+                plot_heatmap(panels, out / HEATMAP_PNG, *heatmap, metric, facet)
+                written[HEATMAP_PNG] = out / HEATMAP_PNG
         except ReportError as err:
             error = err
+    appendix = ""
+    if panels is not None and heatmap is not None:
+        appendix = render_pivots(panels, *heatmap, metric, facet, HEATMAP_PNG if HEATMAP_PNG in written else None)
     written["report.md"] = out / "report.md"
-    written["report.md"].write_text(render_markdown(jobs, root, plot_names))
+    written["report.md"].write_text(render_markdown(jobs, root, plot_names, appendix))
     if error is not None:
         raise error
     return written
@@ -319,10 +470,34 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("run_dir", type=Path, help="a multirun dir (<sweep dir> with job dirs 0, 1, ...) or a run dir")
     parser.add_argument("--out", type=Path, default=None, help="where to write the report (default: run_dir)")
-    parser.add_argument("--no-plots", action="store_true", help="write report.md and report.csv only")
+    parser.add_argument("--no-plots", action="store_true", help="write the tables only, no PNGs")
+    parser.add_argument(
+        "--heatmap",
+        nargs=2,
+        metavar=("ROW", "COL"),
+        default=None,
+        help="two override keys (e.g. strategy.aggregator strategy.attack): a table and heat map of --metric by their"
+        " values (report.md, heatmap.csv, heatmap.png)",
+    )
+    parser.add_argument("--facet", metavar="KEY", default=None, help="with --heatmap: one panel per value of KEY")
+    parser.add_argument(
+        "--metric",
+        metavar="NAME",
+        default=None,
+        help="with --heatmap: the metric, its last logged value per job (default: val/acc)",
+    )
     args = parser.parse_args(argv)
+    if args.heatmap is None and (args.facet is not None or args.metric is not None):
+        parser.error("--facet and --metric need --heatmap ROW COL")
     try:
-        written = write_report(args.run_dir, args.out, plots=not args.no_plots)
+        written = write_report(
+            args.run_dir,
+            args.out,
+            plots=not args.no_plots,
+            heatmap=(args.heatmap[0], args.heatmap[1]) if args.heatmap is not None else None,
+            facet=args.facet,
+            metric=args.metric if args.metric is not None else "val/acc",
+        )
     except ReportError as err:
         print(f"lightning-zero-report: {err}", file=sys.stderr)
         return 1

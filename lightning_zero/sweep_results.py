@@ -13,6 +13,10 @@ jobs that failed before writing anything), or else job dirs are searched for bel
   metric series of ``metrics.csv``, the median optimizer-step time (the slowest rank's median, and every rank's) and
   the peak model-state bytes per rank.
 
+A sweep over several override keys is summarised by :func:`pivot`: the last logged value of one metric per job,
+laid out by two keys' values (and one panel per value of a third), e.g. ``strategy.aggregator`` x
+``strategy.attack`` per ``data.worker_split``. A key a job did not override has the value ``"default"``.
+
 :mod:`lightning_zero.report` turns the rows into tables and plots.
 """
 
@@ -23,7 +27,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 RUN_STATS = "run_stats.json"
 METRICS = Path("csv") / "metrics.csv"
@@ -33,6 +37,7 @@ TRAIN_LOSS_KEYS = ("train/loss", "train_loss", "train/loss_step", "train_loss_st
 VAL_LOSS_KEYS = ("val/loss", "val_loss")
 BREAKDOWN = ("params", "grads", "optimizer", "strategy_buffers")
 MIB = 2**20
+DEFAULT = "default"  # the pivot value of a key the job did not override: the config's default
 
 Series = list[tuple[int, float]]
 
@@ -289,3 +294,95 @@ def common_overrides(jobs: Sequence[JobResult]) -> list[str]:
 
 def varying_overrides(job: JobResult, common: Sequence[str]) -> list[str]:
     return [o for o in job.overrides if o not in common]
+
+
+# ----------------------------------------------------------------------------------------------------- pivots
+def parse_override(override: str) -> tuple[str, str] | None:
+    """``"key=value"`` (also ``+key=value``, ``++key=value``) as ``(key, value)``; ``None`` for ``~key`` deletions."""
+    if override.startswith("~") or "=" not in override:
+        return None
+    key, value = override.split("=", 1)
+    return key.lstrip("+"), value
+
+
+def override_value(job: JobResult, key: str) -> str:
+    """The value ``job`` gave ``key`` on the command line (the last one wins, as in Hydra), else ``"default"``."""
+    value = DEFAULT
+    for override in job.overrides:
+        parsed = parse_override(override)
+        if parsed is not None and parsed[0] == key:
+            value = parsed[1]
+    return value
+
+
+def override_keys(jobs: Sequence[JobResult]) -> list[str]:
+    """Every key some job overrides, in the order they first appear."""
+    keys: dict[str, None] = {}
+    for job in jobs:
+        for override in job.overrides:
+            parsed = parse_override(override)
+            if parsed is not None:
+                keys.setdefault(parsed[0], None)
+    return list(keys)
+
+
+class Pivot(NamedTuple):
+    """One panel of :func:`pivot`: ``cells[(row, col)]`` is the mean of the jobs' values, ``None`` when no job of
+    that cell logged the metric (or there is no such job); ``jobs[(row, col)]`` names the cell's jobs."""
+
+    rows: list[str]
+    cols: list[str]
+    cells: dict[tuple[str, str], float | None]
+    jobs: dict[tuple[str, str], list[str]]
+
+
+def pivot(
+    jobs: Sequence[JobResult], row_key: str, col_key: str, metric: str, facet_key: str | None = None
+) -> dict[str | None, Pivot]:
+    """The last logged value of ``metric`` per job, by the jobs' values of ``row_key`` and ``col_key``.
+
+    Returns one :class:`Pivot` per value of ``facet_key`` (the single key ``None`` without one). Row, column and
+    facet values are in the order they first appear among ``jobs``, and every panel has all rows and columns, so
+    panels line up. A key a job did not override has the value ``"default"``. Several jobs in one cell (a sweep over
+    a key not in the pivot, e.g. ``seed``) are averaged over those that logged ``metric``.
+
+    Raises:
+        ReportError: a key no job overrides (naming the keys that exist), the same key twice, or a metric that no
+            job logged while others were (naming those).
+    """
+    keys = {"row": row_key, "column": col_key, **({"facet": facet_key} if facet_key is not None else {})}
+    if len(set(keys.values())) < len(keys):
+        raise ReportError(f"the heat map keys {keys} must differ from each other")
+    existing = override_keys(jobs)
+    for role, key in keys.items():
+        if key not in existing:
+            raise ReportError(
+                f"{role} key {key!r} is not overridden by any job: expected one of {existing or '(no overrides)'}"
+            )
+    logged = sorted({k for j in jobs for k in j.metrics})
+    if logged and metric not in logged:  # a typo; with no metrics at all (every job failed) the grid is all n/a
+        raise ReportError(f"metric {metric!r} was not logged by any job: expected one of {logged}")
+
+    def first_seen(key: str | None) -> list[Any]:
+        return list(dict.fromkeys(override_value(j, key) if key is not None else None for j in jobs))
+
+    rows, cols = first_seen(row_key), first_seen(col_key)
+    values: dict[tuple[str | None, str, str], list[float]] = {}
+    names: dict[tuple[str | None, str, str], list[str]] = {}
+    for j in jobs:
+        facet = override_value(j, facet_key) if facet_key is not None else None
+        cell = (facet, override_value(j, row_key), override_value(j, col_key))
+        names.setdefault(cell, []).append(j.job)
+        value = j.final(metric)
+        if value is not None:
+            values.setdefault(cell, []).append(value)
+    panels: dict[str | None, Pivot] = {}
+    for facet in first_seen(facet_key):
+        cells: dict[tuple[str, str], float | None] = {}
+        for r in rows:
+            for c in cols:
+                found = values.get((facet, r, c))
+                cells[r, c] = sum(found) / len(found) if found else None
+        cell_jobs = {(r, c): names.get((facet, r, c), []) for r in rows for c in cols}
+        panels[facet] = Pivot(list(rows), list(cols), cells, cell_jobs)
+    return panels

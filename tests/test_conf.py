@@ -39,11 +39,17 @@ from tests.helpers.conf import CONF_DIR, REPO_ROOT, options
 
 # Every group of train.yaml's defaults list that holds job settings (hydra/ holds Hydra's own run-dir settings and
 # is part of every composition below).
-GROUPS = ("trainer", "strategy", "data", "model", "optimizer", "callbacks", "logger", "experiment", "hparams_search")
+GROUPS = (
+    "trainer", "strategy", "aggregator", "attack", "data", "model", "optimizer", "callbacks", "logger", "experiment",
+    "hparams_search",
+)  # fmt: skip
 # Overrides that make an option usable: each model with its data, the char data kept small.
 COMPANIONS = {
     ("data", "digits"): ["model=digits_mlp"],
     ("model", "digits_mlp"): ["data=digits"],
+    # aggregator/ and attack/ set keys of strategy=robust_ddp_scratch: n = 2 processes x 4 workers = 8
+    **{(group, o): ["experiment=robust_digits"] for group in ("aggregator", "attack") for o in options(group)},
+    ("aggregator", "bulyan"): ["experiment=robust_digits", "strategy.f=1"],  # n >= 4f + 3
 }
 SMALL_CHAR_DATA = ["data.max_chars=20000", "model.n_layer=1", "model.n_embd=32"]
 QUIET = ["trainer.enable_progress_bar=false", "~callbacks.progress_bar"]
@@ -54,7 +60,8 @@ NEEDS_OPTUNA = 'the optuna extra is not installed: pip install "lightning-zero[o
 
 def _overrides_for(group: str, option: str) -> list[str]:
     overrides = [f"{group}={option}", *COMPANIONS.get((group, option), [])]
-    return overrides + ([] if "data=digits" in overrides or group == "experiment" else SMALL_CHAR_DATA)
+    digits = "data=digits" in overrides or any(o.startswith("experiment=") for o in overrides)
+    return overrides + ([] if digits else SMALL_CHAR_DATA)
 
 
 def _build(cfg: DictConfig, trainer_overrides: dict[str, Any] | None = None) -> SimpleNamespace:
@@ -345,3 +352,20 @@ def test_cli_optuna_sweep_runs_its_trials(tmp_path: Path) -> None:
     assert math.isfinite(results["best_value"]) and results["best_value"] > 1  # a perplexity
     assert sorted(p.name for p in tmp_path.iterdir()) == ["logs"]  # nothing written elsewhere
     assert not result.leftover
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["aggregator=krum", "strategy.f=3"], r"n=8, f=3 is invalid: Krum needs n >= 2f\+3 = 9 .*workers_per_rank=4"),
+        (["aggregator=bulyan"], r"n=8, f=2 is invalid: Bulyan needs n >= 4f\+3 = 11"),
+        (["aggregator=median", "trainer=cpu"], r"n=4, f=2 is invalid: .*trainer.devices=1"),  # 1 process x 4
+        (["strategy.aggregator=kurm"], "aggregator='kurm' is invalid: expected one of"),
+        (["strategy.workers_per_rank=0"], "workers_per_rank=0 is invalid"),
+        (["attack=alie", "~strategy.attack_kwargs.z"], "alie.* z"),
+    ],
+)
+def test_robust_settings_fail_before_any_process(compose_cfg, overrides: list[str], message: str) -> None:
+    cfg = compose_cfg("experiment=robust_digits", *overrides)
+    with pytest.raises(ConfigError, match=message):
+        validate_config(cfg)

@@ -234,3 +234,159 @@ def test_python_dash_m(multirun: Path, tmp_path: Path) -> None:
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert (out / "report.md").is_file() and len(_read_csv(out / "report.csv")) == 3
+
+
+# ----------------------------------------------------------------------------------------------------- heat map
+AGGREGATORS, ATTACKS, SPLITS = ("mean", "median"), ("null", "sign_flip", "ipm"), ("iid", "label_sorted")
+FAILED = ("label_sorted", "median", "ipm")  # the one job that died before logging
+HEATMAP_ARGS = ["--heatmap", "strategy.aggregator", "strategy.attack", "--facet", "data.worker_split"]
+LIGHTGREY = (0xD3, 0xD3, 0xD3)  # matplotlib's "lightgrey": the n/a cells
+
+
+def _acc(split: str, aggregator: str, attack: str) -> float:
+    """A distinct final val/acc per cell: 0.5, plus 0.1 per aggregator, 0.01 per attack, 0.2 for label_sorted."""
+    return 0.5 + 0.1 * AGGREGATORS.index(aggregator) + 0.01 * ATTACKS.index(attack) + 0.2 * SPLITS.index(split)
+
+
+@pytest.fixture
+def robust_sweep(tmp_path: Path) -> Path:
+    """The 12 jobs of ``-m experiment=robust_digits strategy.aggregator=mean,median strategy.attack=null,sign_flip,ipm
+    data.worker_split=iid,label_sorted`` (Hydra's job order: the last key varies fastest); val/acc logged three times,
+    the last value being the final one. No run_stats.json: the jobs are "incomplete", their metrics still count."""
+    root = tmp_path / "multiruns" / "robust"
+    root.mkdir(parents=True)
+    num = 0
+    for aggregator in AGGREGATORS:
+        for attack in ATTACKS:
+            for split in SPLITS:
+                job = root / str(num)
+                num += 1
+                overrides = [
+                    "experiment=robust_digits",
+                    f"strategy.aggregator={aggregator}",
+                    f"strategy.attack={attack}",
+                    f"data.worker_split={split}",
+                ]
+                _hydra_files(job, overrides, "lightning_zero.RobustDDPStrategy")
+                if (split, aggregator, attack) == FAILED:
+                    continue
+                logger = CSVLogger(job, name="csv", version="")
+                for step, acc in ((49, 0.1), (99, 0.2), (149, _acc(split, aggregator, attack))):
+                    logger.log_metrics({"train/loss": 1.0, "epoch": 0}, step=step)
+                    logger.log_metrics({"val/acc": acc, "val/loss": 1.0 - acc, "epoch": 0}, step=step)
+                logger.save()
+                logger.finalize("success")
+    return root
+
+
+def test_pivot_values_order_and_failed_job(robust_sweep: Path) -> None:
+    jobs = sweep_results.collect(robust_sweep)
+    panels = sweep_results.pivot(jobs, "strategy.aggregator", "strategy.attack", "val/acc", "data.worker_split")
+    assert list(panels) == list(SPLITS)
+    for split, panel in panels.items():
+        assert (panel.rows, panel.cols) == (list(AGGREGATORS), list(ATTACKS))
+        for aggregator in AGGREGATORS:
+            for attack in ATTACKS:
+                value = panel.cells[aggregator, attack]
+                if (split, aggregator, attack) == FAILED:
+                    assert value is None and panel.jobs[aggregator, attack] == ["11"]
+                else:
+                    assert value == pytest.approx(_acc(split, aggregator, attack))
+    # Without a facet the two splits share a cell: the mean, over the jobs that logged the metric.
+    [(facet, flat)] = sweep_results.pivot(jobs, "strategy.aggregator", "strategy.attack", "val/acc").items()
+    assert facet is None and flat.jobs["median", "ipm"] == ["10", "11"]
+    assert flat.cells["mean", "sign_flip"] == pytest.approx((_acc("iid", "mean", "sign_flip") + 0.71) / 2)
+    assert flat.cells["median", "ipm"] == pytest.approx(_acc("iid", "median", "ipm"))  # job 11 failed
+
+
+def test_pivot_missing_override_is_default() -> None:
+    def job(name: str, overrides: list[str], acc: float) -> sweep_results.JobResult:
+        return sweep_results.JobResult(job=name, path=Path(name), overrides=overrides, metrics={"val/acc": [(9, acc)]})
+
+    jobs = [
+        job("0", ["strategy.attack=ipm"], 0.3),  # aggregator: the config's default
+        job("1", ["strategy.aggregator=krum", "+strategy.attack=alie"], 0.4),
+        job("2", ["strategy.aggregator=krum", "strategy.attack=ipm", "strategy.attack=alie"], 0.6),  # last one wins
+    ]
+    [panel] = sweep_results.pivot(jobs, "strategy.aggregator", "strategy.attack", "val/acc").values()
+    assert (panel.rows, panel.cols) == (["default", "krum"], ["ipm", "alie"])
+    assert panel.cells == {("default", "ipm"): 0.3, ("default", "alie"): None, ("krum", "ipm"): None,
+                           ("krum", "alie"): pytest.approx(0.5)}  # fmt: skip
+
+
+def test_pivot_bad_keys_and_metric(robust_sweep: Path) -> None:
+    jobs = sweep_results.collect(robust_sweep)
+    with pytest.raises(sweep_results.ReportError, match=r"row key 'strategy.agg' is not overridden by any job") as err:
+        sweep_results.pivot(jobs, "strategy.agg", "strategy.attack", "val/acc")
+    assert "'experiment', 'strategy.aggregator', 'strategy.attack', 'data.worker_split'" in str(err.value)
+    with pytest.raises(sweep_results.ReportError, match=r"facet key 'seed' is not overridden"):
+        sweep_results.pivot(jobs, "strategy.aggregator", "strategy.attack", "val/acc", "seed")
+    with pytest.raises(sweep_results.ReportError, match=r"must differ"):
+        sweep_results.pivot(jobs, "strategy.attack", "strategy.attack", "val/acc")
+    with pytest.raises(
+        sweep_results.ReportError, match=r"metric 'val/accuracy' was not logged by any job: .*'val/acc'"
+    ):
+        sweep_results.pivot(jobs, "strategy.aggregator", "strategy.attack", "val/accuracy")
+
+
+def test_heatmap_report_files(robust_sweep: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out"
+    assert report.main([str(robust_sweep), "--out", str(out), *HEATMAP_ARGS, "--metric", "val/acc"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert str(out / "heatmap.png") in printed and str(out / "heatmap.csv") in printed
+    assert {"heatmap.csv", "heatmap.png", "report.csv", "report.md"} <= {p.name for p in out.iterdir()}
+
+    md = (out / "report.md").read_text()
+    section = md[md.index("## Heat map: val/acc") :]
+    assert section.index("### data.worker_split=iid") < section.index("### data.worker_split=label_sorted")
+    header = "| strategy.aggregator \\ strategy.attack | null | sign_flip | ipm |"
+    assert section.count(header) == 2
+    assert "| mean | 0.500 | 0.510 | 0.520 |" in section and "| median | 0.600 | 0.610 | 0.620 |" in section
+    label_sorted = section[section.index("### data.worker_split=label_sorted") :]
+    assert "| mean | 0.700 | 0.710 | 0.720 |" in label_sorted and "| median | 0.800 | 0.810 | n/a |" in label_sorted
+    assert "![heatmap](heatmap.png)" in section
+
+    rows = _read_csv(out / "heatmap.csv")
+    assert list(rows[0]) == [
+        "data.worker_split",
+        "strategy.aggregator",
+        "strategy.attack=null",
+        "strategy.attack=sign_flip",
+        "strategy.attack=ipm",
+    ]
+    assert [(r["data.worker_split"], r["strategy.aggregator"]) for r in rows] == [
+        (s, a) for s in SPLITS for a in AGGREGATORS
+    ]
+    assert float(rows[3]["strategy.attack=sign_flip"]) == pytest.approx(0.81) and rows[3]["strategy.attack=ipm"] == ""
+
+    _png(out / "heatmap.png", ())
+    from PIL import Image
+
+    with Image.open(out / "heatmap.png") as image:
+        rgb = image.convert("RGB")
+        assert LIGHTGREY in {c for _, c in rgb.getcolors(maxcolors=rgb.width * rgb.height)}  # the n/a cell
+
+
+def test_heatmap_without_facet_or_plots(robust_sweep: Path, tmp_path: Path) -> None:
+    out = tmp_path / "flat"
+    written = report.write_report(
+        robust_sweep, out, plots=False, heatmap=("strategy.attack", "data.worker_split"), metric="val/loss"
+    )
+    assert "heatmap.csv" in written and "heatmap.png" not in written and not (out / "heatmap.png").exists()
+    md = (out / "report.md").read_text()
+    assert "## Heat map: val/loss" in md and "###" not in md and "![heatmap]" not in md
+    assert "| strategy.attack \\ data.worker_split | iid | label_sorted |" in md
+    assert "| ipm | 0.430 | 0.280 |" in md  # iid: both aggregators' mean; label_sorted: median/ipm failed
+    assert "Means over several jobs: null / iid: jobs 0, 6;" in md
+
+
+def test_heatmap_cli_errors(robust_sweep: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "bad"
+    args = [str(robust_sweep), "--out", str(out), "--heatmap", "strategy.aggregator", "strategy.atack"]
+    assert report.main(args) == 1
+    err = capsys.readouterr().err
+    assert "column key 'strategy.atack' is not overridden by any job" in err and "'strategy.attack'" in err
+    assert not out.exists()  # nothing written for a mistyped key
+    with pytest.raises(SystemExit):
+        report.main([str(robust_sweep), "--facet", "data.worker_split"])
+    assert "--facet and --metric need --heatmap ROW COL" in capsys.readouterr().err

@@ -3,6 +3,13 @@
 
 The images ship inside scikit-learn (1,797 of them, 10 classes, no download), which is imported only when the data
 is loaded, so the core package works without it; it comes with ``pip install "lightning-zero[examples]"``.
+
+For robust aggregation (``strategy=robust_ddp_scratch``), ``data.worker_split=iid|label_sorted`` gives each virtual
+worker a fixed shard of the training set (:mod:`lightning_zero.robust.sampling`); the Trainer then needs
+``use_distributed_sampler=false`` (the ``trainer`` configs lack the key, hence the ``+``)::
+
+    lightning-zero-train experiment=digits_mlp trainer=ddp_sim strategy=robust_ddp_scratch \
+        strategy.workers_per_rank=4 data.worker_split=label_sorted +trainer.use_distributed_sampler=false
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 from lightning_zero.demo.model import shard_fsdp2
+from lightning_zero.robust.sampling import SPLITS, WorkerBatchSampler, worker_shards
 
 EXTRA_HINT = 'pip install "lightning-zero[examples]"'
 NUM_FEATURES, NUM_CLASSES = 64, 10
@@ -40,8 +48,18 @@ class DigitsDataModule(L.LightningDataModule):
     Args:
         batch_size: samples per batch and process.
         val_fraction, test_fraction: shares of the 1,797 images held out; the rest is for training.
-        split_seed: seed of the permutation that makes the split (independent of the global seed).
+        split_seed: seed of the permutation that makes the split (independent of the global seed); with a
+            ``worker_split`` also the seed of the IID shards and of their per-epoch shuffles.
         num_workers: data-loader worker processes.
+        worker_split: ``None``: the training loader shuffles and Lightning deals its batches to ranks (its
+            ``DistributedSampler``). ``"iid"`` or ``"label_sorted"``: each of the ``n = workers_per_rank x
+            world_size`` virtual workers owns a fixed shard of the training set
+            (:func:`~lightning_zero.robust.sampling.worker_shards`), and a rank's batch is its workers'
+            ``batch_size // workers_per_rank`` samples each, concatenated in worker order
+            (:class:`~lightning_zero.robust.sampling.WorkerBatchSampler`): the cut ``robust_ddp_scratch`` makes.
+            ``workers_per_rank`` is read from ``trainer.strategy`` (1 for strategies without it) and must divide
+            ``batch_size``; the Trainer needs ``use_distributed_sampler=False``. Validation and test loaders are
+            the same either way.
     """
 
     def __init__(
@@ -51,10 +69,13 @@ class DigitsDataModule(L.LightningDataModule):
         test_fraction: float = 0.15,
         split_seed: int = 0,
         num_workers: int = 0,
+        worker_split: str | None = None,
     ) -> None:
         super().__init__()
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size} is invalid: expected an integer >= 1")
+        if worker_split is not None and worker_split not in SPLITS:
+            raise ValueError(f"worker_split={worker_split!r} is invalid: expected None or one of {SPLITS}")
         if not (0 < val_fraction < 1 and 0 <= test_fraction < 1 and val_fraction + test_fraction < 1):
             raise ValueError(
                 f"val_fraction={val_fraction}, test_fraction={test_fraction} are invalid: expected val_fraction in"
@@ -67,6 +88,7 @@ class DigitsDataModule(L.LightningDataModule):
         self.save_hyperparameters()
         self.batch_size, self.num_workers = batch_size, num_workers
         self.val_fraction, self.test_fraction, self.split_seed = val_fraction, test_fraction, split_seed
+        self.worker_split = worker_split
         self.train_set: TensorDataset | None = None
         self.val_set: TensorDataset | None = None
         self.test_set: TensorDataset | None = None
@@ -90,8 +112,44 @@ class DigitsDataModule(L.LightningDataModule):
         assert dataset is not None, "call setup() first"
         return DataLoader(dataset, batch_size=self.batch_size, shuffle=shuffle, num_workers=self.num_workers)
 
+    def _worker_layout(self) -> tuple[int, int, int]:
+        """``(workers_per_rank, world_size, global_rank)`` of the attached Trainer; ``(1, 1, 0)`` without one."""
+        trainer = self.trainer
+        if trainer is None:  # e.g. inspecting the data in a notebook: one process, one worker
+            return 1, 1, 0
+        k = getattr(trainer.strategy, "workers_per_rank", 1)
+        world_size, rank = trainer.world_size, trainer.global_rank
+        connector = getattr(trainer, "_accelerator_connector", None)
+        # Otherwise Lightning tries to rebuild the batch sampler around a DistributedSampler (it cannot: a
+        # WorkerBatchSampler takes shards, not a sampler), for every strategy it deems distributed, ours at 1 rank too.
+        if getattr(connector, "use_distributed_sampler", False) and (
+            world_size > 1 or getattr(connector, "is_distributed", False)
+        ):
+            raise ValueError(
+                f"worker_split={self.worker_split!r} deals the training data to workers itself, but the Trainer has"
+                f" use_distributed_sampler=True (world_size={world_size}): set trainer.use_distributed_sampler=false"
+                " (on the command line +trainer.use_distributed_sampler=false where the trainer config lacks the key)"
+            )
+        return k, world_size, rank
+
     def train_dataloader(self) -> DataLoader:
-        return self._loader(self.train_set, shuffle=True)
+        if self.worker_split is None:
+            return self._loader(self.train_set, shuffle=True)
+        assert self.train_set is not None, "call setup() first"
+        k, world_size, rank = self._worker_layout()
+        if self.batch_size % k:
+            raise ValueError(
+                f"batch_size={self.batch_size} (per process) is not divisible by workers_per_rank={k}: expected a"
+                f" multiple of {k}, so that every worker gets the same number of samples"
+            )
+        labels = self.train_set.tensors[1]
+        shards = worker_shards(
+            len(labels), k * world_size, labels=labels, split=self.worker_split, seed=self.split_seed
+        )
+        batch_sampler = WorkerBatchSampler(
+            shards, range(rank * k, (rank + 1) * k), self.batch_size // k, shuffle=True, seed=self.split_seed
+        )
+        return DataLoader(self.train_set, batch_sampler=batch_sampler, num_workers=self.num_workers)
 
     def val_dataloader(self) -> DataLoader:
         return self._loader(self.val_set, shuffle=False)

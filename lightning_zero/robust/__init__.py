@@ -1,0 +1,1 @@
+"""Byzantine-robust aggregation: pure rules, pre-aggregators, attack simulation, and the strategy's engine."""

@@ -1,0 +1,276 @@
+"""``robust_ddp_scratch``: data parallelism whose gradient average is replaced by a Byzantine-robust rule.
+
+Runbook::
+
+    import lightning_zero
+    strategy = lightning_zero.RobustDDPStrategy(aggregator="trimmed_mean", f=2, workers_per_rank=4)
+    trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy)   # n = 2 x 4 = 8 workers
+
+Registered names: ``robust_ddp_scratch`` (popen launcher) and ``robust_ddp_scratch_spawn``; both default to
+``aggregator="mean"``, ``f=0``, which trains exactly like ``ddp_scratch``.
+
+Threat model: some *workers* may send arbitrary gradients (bugs, bit flips, attackers); the processes' collectives,
+the data loader and the code are trusted. Each rank runs ``workers_per_rank`` workers
+(:mod:`lightning_zero.robust.workers`); at each optimizer step (once per accumulation window, never per
+micro-batch) every rank all-gathers the workers' accumulated gradients into an ``(n, d)`` stack and runs the same
+:class:`~lightning_zero.robust.aggregation.RobustAggregator` on it, so all ranks apply the same aggregate.
+Non-boundary micro-batches communicate nothing. ``attack=...`` *simulates* Byzantine workers for evaluation.
+
+Logged every optimizer step (``self.log``, on step): ``robust/honest_distance``, ``robust/byzantine_selected`` (for
+selection rules), ``robust/nonfinite_dropped``, ``robust/aggregation_ms`` and ``robust/comm_bytes`` (this rank's
+all-gather output). The same values are in :attr:`RobustDDPStrategy.last_result`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.strategies import _StrategyRegistry
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_zero import collectives as comm
+from lightning_zero.robust.aggregation import AggregationResult, RobustAggregator, StageSpec
+from lightning_zero.robust.attacks import flip_labels
+from lightning_zero.robust.workers import WorkerGradients, split_batch
+from lightning_zero.strategies.base import ScratchParallelStrategy, broadcast_module_states
+
+CHECKPOINT_KEY = "robust_aggregation"
+"""The checkpoint entry holding the worker momentum (all ``n`` rows), the rule's centre and the generator state."""
+
+
+class RobustDDPStrategy(ScratchParallelStrategy):
+    """Data parallelism with a robust aggregation rule over ``n = workers_per_rank x world_size`` workers.
+
+    Args:
+        aggregator: the rule: ``mean``, ``median`` (coordinate-wise; even n averages the two middle values),
+            ``trimmed_mean``, ``krum``, ``multi_krum``, ``geometric_median``, ``centered_clipping``, ``bulyan``.
+        f: Byzantine workers to tolerate. Checked against the rule's bound for ``n`` when the Trainer is built
+            (e.g. Krum needs ``n >= 2f + 3``); a violation raises ``ValueError``, f is never lowered silently.
+        aggregator_kwargs: the rule's parameters, e.g. ``{"m": 4}`` for ``multi_krum``, ``{"tau": 10.0}``.
+        pre_aggregators: applied in order before the rule: ``"nnm"``, ``{"name": "bucketing", "s": 2}``,
+            ``{"name": "clip", "c": 1.0}``.
+        workers_per_rank: workers per process; each micro-batch is split into this many chunks along dim 0, each
+            with its own forward and backward.
+        worker_momentum: ``beta`` in ``[0, 1)``; each worker sends ``m <- beta m + (1 - beta) g`` (0: the gradient).
+        attack: simulate Byzantine workers (evaluation only): ``sign_flip``, ``gaussian``, ``alie``, ``ipm``,
+            ``mimic``, ``nan``, ``inf``, ``label_flip``.
+        attack_kwargs: the attack's parameters (``alie`` needs ``z``; ``label_flip`` needs ``num_classes``).
+        byzantine_workers: global indices of the simulated Byzantine workers (default: the last ``f``).
+        seed: seed of the generator behind ``bucketing`` and the ``gaussian`` attack (same on every rank).
+        broadcast_buffers: as in ``ddp_scratch``: rank 0's buffers are broadcast before each synchronising
+            micro-batch.
+        **kwargs: see :class:`~lightning_zero.strategies.base.ScratchParallelStrategy`.
+    """
+
+    strategy_name = "robust_ddp_scratch"
+
+    def __init__(
+        self,
+        aggregator: str = "mean",
+        f: int = 0,
+        aggregator_kwargs: Mapping[str, Any] | None = None,
+        pre_aggregators: Sequence[StageSpec] = (),
+        workers_per_rank: int = 1,
+        worker_momentum: float = 0.0,
+        attack: str | None = None,
+        attack_kwargs: Mapping[str, Any] | None = None,
+        byzantine_workers: Sequence[int] | None = None,
+        seed: int = 0,
+        broadcast_buffers: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        if isinstance(workers_per_rank, bool) or not isinstance(workers_per_rank, int) or workers_per_rank < 1:
+            raise ValueError(f"workers_per_rank={workers_per_rank!r} is invalid: expected an integer >= 1")
+        if not 0 <= worker_momentum < 1:
+            raise ValueError(f"worker_momentum={worker_momentum!r} is invalid: expected a number in [0, 1)")
+        self.aggregator = RobustAggregator(
+            aggregator, f, aggregator_kwargs, pre_aggregators, attack, attack_kwargs, byzantine_workers, seed
+        )
+        super().__init__(**kwargs)
+        self.workers_per_rank = workers_per_rank
+        self.worker_momentum = worker_momentum
+        self.broadcast_buffers = broadcast_buffers
+        self.last_result: AggregationResult | None = None
+        self._grads: WorkerGradients | None = None
+        self._worker_losses: list[Tensor] = []
+        self._sync = True
+        self._window_open = False
+
+    @property
+    def num_workers(self) -> int:
+        """``n``: every process's workers together."""
+        return self.workers_per_rank * self.num_nodes * self.num_processes
+
+    @property
+    @override
+    def strategy_buffers(self) -> list[Tensor]:
+        """The worker rows (and momentum rows) while fitting."""
+        return self._grads.buffers if self._grads is not None else []
+
+    @override
+    def _configure_launcher(self) -> None:
+        self.aggregator.validate(self.num_workers)  # the Trainer is being built: no process has started yet
+        super()._configure_launcher()
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        self._setup_replicas(trainer)
+        if trainer.state.fn == TrainerFn.FITTING:
+            if not self.lightning_module.automatic_optimization:
+                raise ValueError("robust_ddp_scratch needs automatic optimization (automatic_optimization=True)")
+            params = [p for p in self.model.parameters() if p.requires_grad]
+            self._grads = WorkerGradients(params, self.workers_per_rank, self.worker_momentum)
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    # ------------------------------------------------------------ forward: one call per worker
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.broadcast_buffers and self._sync:
+            broadcast_module_states(self.lightning_module, tag="buffers", buffers_only=True)
+        batch, rest = args[0], args[1:]
+        first = self.global_rank * self.workers_per_rank
+        outputs = []
+        for j, chunk in enumerate(split_batch(batch, self.workers_per_rank)):
+            if self.aggregator.data_attack and first + j in self.aggregator.byzantine:
+                chunk = self._flip_labels(chunk)
+            outputs.append(super().training_step(chunk, *rest, **kwargs))
+        return self._combine(outputs)
+
+    def _flip_labels(self, chunk: Any) -> Any:
+        if not (isinstance(chunk, (list, tuple)) and len(chunk) == 2 and isinstance(chunk[1], Tensor)):
+            raise ValueError("attack='label_flip' needs (inputs, labels) batches")
+        return type(chunk)((chunk[0], flip_labels(chunk[1], **self.aggregator.attack_kwargs)))
+
+    def _combine(self, outputs: list[Any]) -> Any:
+        """The workers' outputs as one: the mean loss (for logging and Lightning's bookkeeping)."""
+        losses = [out["loss"] if isinstance(out, Mapping) else out for out in outputs]
+        if all(loss is None for loss in losses):
+            self._worker_losses = []
+            return None
+        if any(not isinstance(loss, Tensor) for loss in losses):
+            raise ValueError("with workers_per_rank > 1 every worker's training_step must return a loss, or all None")
+        self._worker_losses = losses
+        mean = torch.stack(losses).mean() if len(losses) > 1 else losses[0]
+        return {**outputs[-1], "loss": mean} if isinstance(outputs[-1], Mapping) else mean
+
+    # ------------------------------------------------------------ backward: one per worker, then aggregate
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Lightning enters this on non-boundary micro-batches: accumulate into the rows, communicate nothing."""
+        self._sync = False
+        try:
+            yield None
+        finally:
+            self._sync = True
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        grads, module = self._grads, self.lightning_module
+        assert grads is not None and module is not None
+        losses, self._worker_losses = self._worker_losses, []
+        if not losses:
+            raise RuntimeError("robust_ddp_scratch runs backward on the losses of its own training_step only")
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        if not self._window_open:
+            grads.rows.zero_()
+            self._window_open = True
+        # Lightning divides the loss by accumulate_grad_batches; each worker's loss gets the same scale.
+        scale = 1.0 / self.lightning_module.trainer.accumulate_grad_batches
+        for j, loss in enumerate(losses):
+            grads.bind(j)
+            self.precision_plugin.backward(loss * scale, module, optimizer, *args, **kwargs)
+            grads.collect(j)
+        if self._sync:
+            self._aggregate()
+        return self.precision_plugin.post_backward(closure_loss, module)
+
+    def _aggregate(self) -> None:
+        grads = self._grads
+        assert grads is not None
+        vectors = grads.vectors()
+        if comm.world_size() > 1:
+            stack = vectors.new_empty(self.num_workers, vectors.shape[1])
+            comm.all_gather(stack, vectors, tag="worker_grads")
+        else:
+            stack = vectors
+        result = self.aggregator(stack)
+        grads.set_grads(result.vector)
+        self._window_open = False
+        self.last_result = result
+        comm_bytes = stack.numel() * stack.element_size() if comm.world_size() > 1 else 0
+        metrics = {
+            "robust/honest_distance": result.honest_distance,
+            "robust/nonfinite_dropped": float(result.dropped),
+            "robust/aggregation_ms": result.seconds * 1e3,
+            "robust/comm_bytes": float(comm_bytes),
+        }
+        if result.byzantine_selected is not None:
+            metrics["robust/byzantine_selected"] = result.byzantine_selected
+        self.lightning_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
+
+    # ------------------------------------------------------------ checkpoints
+    def robust_state_dict(self) -> dict[str, Any]:
+        """The aggregator's state and every worker's momentum row (a collective: every rank must call it)."""
+        state: dict[str, Any] = {"num_workers": self.num_workers, **self.aggregator.state_dict()}
+        grads = self._grads
+        momentum = grads.momentum_rows if grads is not None else None
+        if momentum is not None and comm.world_size() > 1:
+            gathered = momentum.new_empty(self.num_workers, momentum.shape[1])
+            comm.all_gather(gathered, momentum, tag="checkpoint")
+            momentum = gathered
+        state["worker_momentum"] = None if momentum is None else momentum.cpu().clone()
+        return state
+
+    def load_robust_state_dict(self, state: Mapping[str, Any]) -> None:
+        if state["num_workers"] != self.num_workers:
+            raise ValueError(
+                f"the checkpoint's robust aggregation state is for n={state['num_workers']} workers, this run has"
+                f" n={self.num_workers}: resume with the same devices x num_nodes x workers_per_rank"
+            )
+        self.aggregator.load_state_dict(state)
+        momentum, grads = state.get("worker_momentum"), self._grads
+        if momentum is not None and grads is not None and grads.momentum_rows is not None:
+            first = self.global_rank * self.workers_per_rank
+            grads.momentum_rows.copy_(momentum[first : first + self.workers_per_rank])
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        if "optimizer_states" in checkpoint:  # not for weights-only checkpoints
+            checkpoint[CHECKPOINT_KEY] = self.robust_state_dict()
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        super().load_optimizer_state_dict(checkpoint)
+        if CHECKPOINT_KEY in checkpoint:
+            self.load_robust_state_dict(checkpoint[CHECKPOINT_KEY])
+
+    @override
+    def teardown(self) -> None:
+        # The worker rows stay, like the optimizer's state: momentum rows belong in a checkpoint saved after fit.
+        self._worker_losses = []
+        self._window_open = False
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        cls._register(strategy_registry, "robust_ddp_scratch", "Byzantine-robust data parallelism, popen launcher")
+        cls._register(
+            strategy_registry,
+            "robust_ddp_scratch_spawn",
+            "Byzantine-robust data parallelism, spawn launcher",
+            start_method="spawn",
+        )
