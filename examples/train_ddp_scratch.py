@@ -79,6 +79,8 @@ def main() -> None:
     )
     if trainer.is_global_zero:
         print(f"final val_mse={trainer.callback_metrics['val_mse']:.4f} after {trainer.global_step} optimizer steps")
+    if torch.distributed.is_initialized():  # a gloo group alive at interpreter exit can abort the process
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

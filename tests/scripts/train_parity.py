@@ -71,6 +71,10 @@ def main(argv: list[str] | None = None) -> None:
     assert rank is not None, "on_fit_end never ran"
     out = args.out if rank == 0 else args.out.with_name(f"{args.out.name}.rank{rank}")
     torch.save(params, out)
+    # A gloo group still alive at interpreter exit was seen to abort a rank now and then under load ("terminate
+    # called without an active exception", SIGABRT) after a successful fit.
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
