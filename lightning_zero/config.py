@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from lightning_zero.robust.aggregation import RobustAggregator
 from lightning_zero.sharded_optimizer import GRAD_SYNC_MODES
 from lightning_zero.strategies.base import START_METHODS
+from lightning_zero.strategies.robust import check_workers
 from lightning_zero.strategies.zero import STAGES, STATE_DICT_TYPES
 
 # Hydra's structured configs need ``Optional[...]`` (not ``X | None``) on Python 3.10.
@@ -122,10 +123,10 @@ class RobustDDPStrategyConf:
     start_method: str = "popen"
 
     def __post_init__(self) -> None:
-        if self.workers_per_rank < 1:
-            raise ConfigError(f"workers_per_rank={self.workers_per_rank!r} is invalid: expected an integer >= 1")
-        if not 0 <= self.worker_momentum < 1:
-            raise ConfigError(f"worker_momentum={self.worker_momentum!r} is invalid: expected a number in [0, 1)")
+        try:
+            check_workers(self.workers_per_rank, self.worker_momentum)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
         self.aggregator_pipeline()
         _check_common(self.process_group_backend, self.timeout, self.start_method)
 

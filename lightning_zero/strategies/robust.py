@@ -46,6 +46,14 @@ CHECKPOINT_KEY = "robust_aggregation"
 """The checkpoint entry holding the worker momentum (all ``n`` rows), the rule's centre and the generator state."""
 
 
+def check_workers(workers_per_rank: Any, worker_momentum: Any) -> None:
+    """The worker settings (shared with the Hydra schema in :mod:`lightning_zero.config`)."""
+    if isinstance(workers_per_rank, bool) or not isinstance(workers_per_rank, int) or workers_per_rank < 1:
+        raise ValueError(f"workers_per_rank={workers_per_rank!r} is invalid: expected an integer >= 1")
+    if not 0 <= worker_momentum < 1:
+        raise ValueError(f"worker_momentum={worker_momentum!r} is invalid: expected a number in [0, 1)")
+
+
 class RobustDDPStrategy(ScratchParallelStrategy):
     """Data parallelism with a robust aggregation rule over ``n = workers_per_rank x world_size`` workers.
 
@@ -87,10 +95,7 @@ class RobustDDPStrategy(ScratchParallelStrategy):
         broadcast_buffers: bool = True,
         **kwargs: Any,
     ) -> None:
-        if isinstance(workers_per_rank, bool) or not isinstance(workers_per_rank, int) or workers_per_rank < 1:
-            raise ValueError(f"workers_per_rank={workers_per_rank!r} is invalid: expected an integer >= 1")
-        if not 0 <= worker_momentum < 1:
-            raise ValueError(f"worker_momentum={worker_momentum!r} is invalid: expected a number in [0, 1)")
+        check_workers(workers_per_rank, worker_momentum)
         self.aggregator = RobustAggregator(
             aggregator, f, aggregator_kwargs, pre_aggregators, attack, attack_kwargs, byzantine_workers, seed
         )
