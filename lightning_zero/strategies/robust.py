@@ -201,15 +201,19 @@ class RobustDDPStrategy(ScratchParallelStrategy):
             self._aggregate()
         return self.precision_plugin.post_backward(closure_loss, module)
 
+    def _gather_rows(self, rows: Tensor, tag: str) -> Tensor:
+        """This rank's ``(k, d)`` worker rows -> every worker's ``(n, d)``, in global worker order (one process: the
+        rows themselves)."""
+        if comm.world_size() == 1:
+            return rows
+        stack = rows.new_empty(self.num_workers, rows.shape[1])
+        comm.all_gather(stack, rows, tag=tag)
+        return stack
+
     def _aggregate(self) -> None:
         grads = self._grads
         assert grads is not None
-        vectors = grads.vectors()
-        if comm.world_size() > 1:
-            stack = vectors.new_empty(self.num_workers, vectors.shape[1])
-            comm.all_gather(stack, vectors, tag="worker_grads")
-        else:
-            stack = vectors
+        stack = self._gather_rows(grads.vectors(), tag="worker_grads")
         result = self.aggregator(stack)
         grads.set_grads(result.vector)
         self._window_open = False
@@ -231,11 +235,9 @@ class RobustDDPStrategy(ScratchParallelStrategy):
         state: dict[str, Any] = {"num_workers": self.num_workers, **self.aggregator.state_dict()}
         grads = self._grads
         momentum = grads.momentum_rows if grads is not None else None
-        if momentum is not None and comm.world_size() > 1:
-            gathered = momentum.new_empty(self.num_workers, momentum.shape[1])
-            comm.all_gather(gathered, momentum, tag="checkpoint")
-            momentum = gathered
-        state["worker_momentum"] = None if momentum is None else momentum.cpu().clone()
+        if momentum is not None:
+            momentum = self._gather_rows(momentum, tag="checkpoint").cpu().clone()
+        state["worker_momentum"] = momentum
         return state
 
     def load_robust_state_dict(self, state: Mapping[str, Any]) -> None:
