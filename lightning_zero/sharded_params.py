@@ -33,9 +33,8 @@ gradients are reduced (its weights, e.g. embedding and LM head, are used at both
 unsharded gradient through the non-boundary micro-batches (inside :meth:`no_sync`: no communication, +4Ψ) and
 reduces once at the boundary. Both are exact.
 
-[Note: gather sequence check] ZeRO-3 hangs or corrupts weights when ranks gather units in different orders (a
-data-dependent branch that skips a unit on one rank). Before every gather, the ranks exchange ``(unit index,
-gather count)`` (16 bytes, on a gloo group) and raise an error naming both units if they disagree.
+[Note: gather sequence check] (in ``lightning_zero/gather_order.py``): every rank must gather the units in the same
+order; gathers that repeat the previous pass's order need no exchange, others are checked first.
 """
 
 from __future__ import annotations
@@ -48,11 +47,11 @@ from functools import partial
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 
 from lightning_zero import collectives as comm
+from lightning_zero.gather_order import GatherOrder
 from lightning_zero.materialize import build_meta_modules, load_real_tensors
 from lightning_zero.segments import Segment, Unit, UnitState
 from lightning_zero.sharded_optimizer import GRAD_SYNC_MODES, check_in_optimizer, clip_grad_norm_
@@ -118,13 +117,10 @@ class ShardedParams:
             self._build_segments(unit, [TRAINABLE if p.requires_grad else FROZEN for p in params], params)
         load_real_tensors(module, self._load_param, self.device, group)
         build_meta_modules(module, self._load_param, self.device, rng_state, group)
-        # A group of its own: on the data group the check would queue behind in-flight gathers and reductions.
-        ranks = dist.get_process_group_ranks(group or dist.group.WORLD) if self.world_size > 1 else None
-        self._check_group = dist.new_group(ranks, timeout=timeout, backend="gloo") if ranks else group
-        self._gathers = 0
+        self._gather_order = GatherOrder([u.plan.label for u in self.units], group=group, timeout=timeout)
         self._order: list[int] = []  # units in the order this pass gathered them in forward
         self._last_order = [u.index for u in self.units]  # the previous pass's (prefetch guide)
-        self._pending: list[tuple[Segment, Tensor, Tensor, comm.Handle | None]] = []
+        self._pending: list[tuple[Unit, Segment, Tensor, Tensor, comm.Handle | None]] = []
         self._cache: dict[tuple[int, torch.dtype], list[Tensor]] = {}  # transient buffers reused within a step
         self._callback_queued = False
         self._hooks = self._register_hooks()
@@ -176,29 +172,12 @@ class ShardedParams:
         return hooks
 
     # ------------------------------------------------------------ gather / free
-    def _check_sequence(self, unit: Unit) -> None:
-        """[Note: gather sequence check]. Blocking, and before the data gathers are launched: a mismatched gather
-        left in flight would hang the process group, even its destruction."""
-        mine = torch.tensor([unit.index, self._gathers], dtype=torch.int64)
-        everyone = torch.empty(2 * self.world_size, dtype=torch.int64)
-        comm.all_gather(everyone, mine, group=self._check_group, tag="gather_check")
-        for r, (index, count) in enumerate(everyone.view(-1, 2).tolist()):
-            if index != unit.index:
-                raise RuntimeError(
-                    f"ZeRO-3 gather sequence diverged at gather #{count}: rank {self.rank} gathers unit"
-                    f" {unit.plan.label!r} while rank {r} gathers unit {self.units[index].plan.label!r}. Every rank"
-                    " must run the sharded units the same number of times in the same order (no data-dependent"
-                    " skipping or repeating of a unit)"
-                )
-        self._gathers += 1
-
     def _gather(self, unit: Unit) -> None:
         """Launch the unit's all-gathers (asynchronous)."""
         if unit.state is not UnitState.SHARDED or not unit.segments:
             return
         unit.handles = []
-        if self.world_size > 1:
-            self._check_sequence(unit)
+        self._gather_order.before_gather(unit.index)
         for s in unit.segments:
             s.full.untyped_storage().resize_(s.nbytes)
             unit.handles.append(
@@ -208,13 +187,23 @@ class ShardedParams:
 
     def _wait(self, unit: Unit) -> None:
         if unit.state is UnitState.GATHERING:
-            for handle in unit.handles:
-                handle.wait()
+            self._wait_for(unit.handles, f"all-gather of unit {unit.plan.label!r}")
             unit.handles = []
             for s in unit.segments:
                 for p, view in zip(s.params, s.views):
                     p.data = view
             unit.state = UnitState.GATHERED
+
+    def _wait_for(self, handles: list[comm.Handle | None], what: str) -> None:
+        try:
+            for handle in handles:
+                if handle is not None:
+                    handle.wait()
+        except RuntimeError as error:  # e.g. a timeout: another rank left the gather order (gather_order.py)
+            raise RuntimeError(
+                f"ZeRO-3 {what} failed on rank {self.rank}: another rank did not join it (if one reports a diverged"
+                " gather sequence, that is the cause)"
+            ) from error
 
     def _free(self, unit: Unit) -> None:
         if unit.state is UnitState.SHARDED:
@@ -227,7 +216,11 @@ class ShardedParams:
         unit.state = UnitState.SHARDED
 
     def reshard(self) -> None:
-        """Free every gathered unit (after an evaluation step; at the end of each backward by itself)."""
+        """Free every gathered unit and end the pass (after an evaluation step; by itself after each backward)."""
+        self._free_all()
+        self._gather_order.end_pass()
+
+    def _free_all(self) -> None:
         for unit in self.units:
             self._free(unit)
         self._last_order, self._order = self._order or self._last_order, []
@@ -308,10 +301,10 @@ class ShardedParams:
                 s.zero_unfilled()
                 if s.grad_acc is None:
                     s.grad_acc = torch.empty_like(s.shard)
-                first = s.shard.grad is None and all(p[0] is not s for p in self._pending)  # of this window
+                first = s.shard.grad is None and all(p[1] is not s for p in self._pending)  # of this window
                 out = s.grad_acc if first else self._take(s.shard)
                 handle = comm.reduce_scatter(out, s.grad_full, "avg", group=self.group, async_op=True, tag="grads")
-                self._pending.append((s, out, s.grad_full, handle))
+                self._pending.append((unit, s, out, s.grad_full, handle))
                 s.grad_full = None
             while len(self._pending) > MAX_PENDING_REDUCTIONS:
                 self._finish_reduction()
@@ -319,8 +312,8 @@ class ShardedParams:
         self._free(unit)
 
     def _finish_reduction(self) -> None:
-        segment, out, grad_full, handle = self._pending.pop(0)
-        handle.wait()
+        unit, segment, out, grad_full, handle = self._pending.pop(0)
+        self._wait_for([handle], f"gradient reduce-scatter of unit {unit.plan.label!r}")
         self._give(grad_full)
         if out is segment.grad_acc:
             segment.shard.grad = out
@@ -349,7 +342,8 @@ class ShardedParams:
                 unit.arrived = 0
             self._callback_queued = False
             self._cache.clear()  # nothing unsharded survives the step
-            self.reshard()
+            self._free_all()
+        self._gather_order.end_pass()  # not after an error: the other ranks may never reach theirs
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:

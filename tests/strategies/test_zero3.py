@@ -8,6 +8,7 @@ weights of a normal build.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -90,7 +91,7 @@ def _unsharded_bytes(engine: ShardedParams) -> int:
     total = sum(s.full.untyped_storage().nbytes() for s in engine.segments)
     total += sum(s.grad_full.untyped_storage().nbytes() for s in engine.segments if s.grad_full is not None)
     total += sum(buffer.nbytes for free in engine._cache.values() for buffer in free)  # reusable within the step
-    return total + sum(grad.nbytes + (out is not s.grad_acc) * out.nbytes for s, out, grad, _ in engine._pending)
+    return total + sum(grad.nbytes + (out is not s.grad_acc) * out.nbytes for _, s, out, grad, _ in engine._pending)
 
 
 class _Probe(LedgerPerBatch):
@@ -375,20 +376,25 @@ def test_sharded_checkpoint_consolidates_into_a_plain_checkpoint(tmp_path):
 
 # ----------------------------------------------------------------------------------------------- bad input
 class _Diverging(ParityModule):
-    """Rank 1 skips ``net.3``: the units' gather sequences differ between ranks."""
+    """From optimizer step ``from_step`` on, rank 1 skips ``net.3``: the gather sequences differ between ranks."""
+
+    def __init__(self, from_step: int) -> None:
+        super().__init__()
+        self.from_step = from_step
 
     def training_step(self, batch, batch_idx):
         x, y = batch
         for i, layer in enumerate(self.net):
-            if not (self.global_rank == 1 and i == 3):
+            if not (self.global_rank == 1 and i == 3 and self.global_step >= self.from_step):
                 x = layer(x)
         return nn.functional.mse_loss(x, y)
 
 
-def _diverge(world_size: int) -> str:
+def _diverge(world_size: int, from_step: int, timeout_s: int) -> str:
     config = ParityConfig(world_size, max_epochs=1)
+    strategy = ZeroStrategy(stage=3, timeout=timeout_s)
     try:
-        make_trainer(config, ZeroStrategy(stage=3, timeout=60)).fit(_Diverging(), train_loader(config))
+        make_trainer(config, strategy).fit(_Diverging(from_step), train_loader(config))
     except Exception as error:  # the message is what the test checks
         return f"{type(error).__name__}: {error}"
     return "no error"
@@ -396,10 +402,23 @@ def _diverge(world_size: int) -> str:
 
 @pytest.mark.timeout(200)
 def test_diverging_unit_sequence_raises_an_error_naming_the_units():
-    messages = run_workers(_diverge, 2, 2, timeout=150)
+    """In the first step no gather order is planned yet: every gather is checked and both ranks name both units."""
+    messages = run_workers(_diverge, 2, 2, 0, 60, timeout=150)
     for message in messages:
         assert "gather sequence diverged" in message, message
         assert "'net.3'" in message, message
+
+
+@pytest.mark.timeout(200)
+def test_diverging_after_the_order_is_planned_fails_within_the_timeout_naming_a_unit():
+    """From step 2 the gathers follow the previous step's order unchecked ([Note: gather sequence check]): the rank
+    that leaves it waits in a check the other never joins, and the other waits on a collective: both fail at the
+    timeout, each naming a unit, instead of hanging."""
+    messages = run_workers(_diverge, 2, 2, 2, 10, timeout=150)
+    assert re.search(r"ZeRO-3 .* of unit 'net\.\d' failed on rank 0", messages[0]), messages[0]
+    assert re.search(r"gather sequence check timed out on rank 1 before gathering unit 'net\.\d'", messages[1]), (
+        messages[1]
+    )
 
 
 @pytest.mark.parametrize(
