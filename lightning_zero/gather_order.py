@@ -19,8 +19,11 @@ exchange (an error naming the units) or until the timeout (an error naming this 
 gloo group of their own: on the data group they would queue behind in-flight gathers and reductions.
 
 Why not block before every gather (the first version did): each exchange waits for the slowest rank, so 13 gathers
-per step on the 27M GPT of ``benchmarks/step_time.py`` meant 13 lockstep points. Interleaved on 2 CPU ranks (4
-rounds), the exposed communication went from 161 to 143 ms per step. On CUDA a blocked CPU also stops queueing kernels.
+per step on the 27M GPT of ``benchmarks/step_time.py`` meant 13 lockstep points; on CUDA a blocked CPU also stops
+queueing kernels. Interleaved on 2 CPU ranks (two runs of 4 rounds), exposed communication per step: blocking 161 and
+135 ms, this scheme 143 and 110 ms. Why not exchange asynchronously beside every planned gather, so that a rank
+leaving the plan after the first pass is named at once rather than at the timeout: measured 257 ms in the second run,
+worse than blocking.
 """
 
 from __future__ import annotations
