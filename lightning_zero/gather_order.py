@@ -122,7 +122,7 @@ class GatherOrder:
         if self.active:
             self._settle()
             everyone, handle = self._exchange(END, -1, async_op=True)
-            self._end = (everyone, list(self.sequence), handle)
+            self._end = (everyone, self.sequence, handle)  # the list becomes the plan: never mutated again
         self.plan, self.sequence, self._digest = self.sequence, [], 0
 
     def _exchange(self, kind: int, unit: int, *, async_op: bool) -> tuple[torch.Tensor, comm.Handle | None]:
