@@ -7,6 +7,7 @@ must happen before ``Trainer(...)``. Hydra configs that name ``_target_: lightni
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_zero.grad_norm import grad_norm
 from lightning_zero.run_stats import RunStats
 from lightning_zero.strategies import RobustDDPStrategy, ScratchDDPStrategy, ScratchParallelStrategy, ZeroStrategy
 
@@ -23,4 +24,5 @@ __all__ = [
     "ScratchParallelStrategy",
     "ZeroStrategy",
     "__version__",
+    "grad_norm",
 ]

@@ -196,6 +196,10 @@ def reduce_scatter(
             f"reduce_scatter input has {input.numel()} elements: expected world_size={n} x output {output.numel()}"
         )
     LEDGER.record("reduce_scatter", tag, _nbytes(input))
+    if n == 1:  # nothing to exchange (and the pairwise substitute has no peer)
+        _op(op)  # validates the name
+        output.view(-1).copy_(input.view(-1))
+        return _finish([], async_op)
     if not uses_gloo_substitutes(_nbytes(input), group):
         work = _reduce_scatter_native(output, input, op=_op(op), group=group, async_op=async_op)
         return _finish([work], async_op)
@@ -231,6 +235,10 @@ def all_gather(
     if output.numel() != k * n:
         raise ValueError(f"all_gather output has {output.numel()} elements: expected world_size={n} x input {k}")
     LEDGER.record("all_gather", tag, _nbytes(output))
+    if n == 1:
+        if output.data_ptr() != input.data_ptr():
+            output.view(-1).copy_(input.view(-1))
+        return _finish([], async_op)
     if not uses_gloo_substitutes(_nbytes(output), group):
         work = _all_gather_native(output, input, group=group, async_op=async_op)
         return _finish([work], async_op)

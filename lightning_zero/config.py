@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_zero.materialize import MODEL_INIT_MODES
 from lightning_zero.robust.aggregation import RobustAggregator
 from lightning_zero.sharded_optimizer import GRAD_SYNC_MODES
 from lightning_zero.strategies.base import START_METHODS
@@ -76,6 +77,9 @@ class ZeroStrategyConf:
     state_dict_type: str = "sharded"
     min_num_params: Optional[int] = None
     reshard_after_forward: bool = True
+    model_init: str = "auto"
+    find_unused_parameters: bool = False
+    broadcast_buffers: bool = True
     process_group_backend: Optional[str] = None
     timeout: float = 1800.0
     start_method: str = "popen"
@@ -92,10 +96,14 @@ class ZeroStrategyConf:
             )
         if self.min_num_params is not None and self.min_num_params < 1:
             raise ConfigError(f"min_num_params={self.min_num_params!r} is invalid: expected null or an integer >= 1")
-        if self.stage != 3 and (self.min_num_params is not None or not self.reshard_after_forward):
+        if self.model_init not in MODEL_INIT_MODES:
+            raise ConfigError(f"model_init={self.model_init!r} is invalid: expected one of {MODEL_INIT_MODES}")
+        stage3 = self.min_num_params is not None or not self.reshard_after_forward or self.model_init != "auto"
+        if self.stage != 3 and stage3:
             raise ConfigError(
-                f"min_num_params and reshard_after_forward apply to stage=3 only: got stage={self.stage}"
-                f" with min_num_params={self.min_num_params}, reshard_after_forward={self.reshard_after_forward}"
+                f"min_num_params, reshard_after_forward and model_init apply to stage=3 only: got stage={self.stage}"
+                f" with min_num_params={self.min_num_params}, reshard_after_forward={self.reshard_after_forward},"
+                f" model_init={self.model_init!r}"
             )
         _check_common(self.process_group_backend, self.timeout, self.start_method)
 
@@ -117,6 +125,7 @@ class RobustDDPStrategyConf:
     attack_kwargs: dict[str, Any] = field(default_factory=dict)
     byzantine_workers: Optional[list[int]] = None
     seed: int = 0
+    find_unused_parameters: bool = False
     broadcast_buffers: bool = True
     process_group_backend: Optional[str] = None
     timeout: float = 1800.0

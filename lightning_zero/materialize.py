@@ -1,21 +1,32 @@
 """Filling ZeRO-3 shards from a module: real parameters from rank 0, meta-device ones built piece by piece.
 
-[Note: meta initialisation] A model built under ``ZeroStrategy.model_sharded_context()`` (Lightning's
-``configure_model``) lives on the meta device: shapes only. Each module that owns meta tensors is then built on its
-own, in pre-order (the order in which a normal build initialises leaf modules): its tensors are allocated, its
-``reset_parameters()`` runs, each rank copies its pieces into its shards and drops the rest before the next module.
-So no rank ever holds more than its shards plus one module's parameters.
+[Note: model construction] ``configure_model`` runs under ``ZeroStrategy.model_sharded_context()``, first on the meta
+device (shapes only, no memory, no random numbers). Then, by ``model_init``:
 
-The random numbers come from the RNG state captured when ``configure_model`` ended (meta-device construction draws
-none), taken from rank 0, inside ``torch.random.fork_rng``: the weights equal those of a non-sharded build from the
-same seed, on every rank alike, and the global RNG is left as it was. A module whose parameter was built already (the
-LM head tied to the token embedding) still runs its reset, on scratch stand-ins, because the normal build drew those
-numbers too. Initialisation that is not ``reset_parameters()`` (a custom ``_init_weights`` applied after
-construction) is not replayed: give such modules a ``reset_parameters``, as with FSDP.
+- ``"full"``: the module tree is put back as it was before ``configure_model`` (:class:`ModuleSnapshot`), the RNG too,
+  and ``configure_model`` runs again for real, on the device Lightning's ``ddp`` builds on. The weights are exactly
+  those of a normal build, whatever initialisation the model does (a parent's ``self.apply(_init_weights)``,
+  ``nn.Transformer``'s xavier init, tied weights), and the RNG continues from the same state (dropout masks equal
+  ``ddp``'s). ZeRO-3 then shards the real parameters.
+- ``"meta"``: the meta modules are built one by one ([Note: meta initialisation]); no rank ever holds the model.
+- ``"auto"`` (default): ``"full"`` when every local process's copy fits comfortably (:func:`fits_in_memory`), else
+  ``"meta"`` with a warning naming the modules whose own init code is not replayed (:func:`unreplayed_init`).
+
+[Note: meta initialisation] Each module that owns meta tensors is built on its own, in pre-order (the order in which
+a normal build initialises leaf modules): its tensors are allocated, its ``reset_parameters()`` runs, each rank copies
+its pieces into its shards and drops the rest before the next module. So no rank ever holds more than its shards plus
+one module's parameters.
+
+The random numbers come from the RNG state captured when ``configure_model`` ended, taken from rank 0: the weights
+equal those of a non-sharded build from the same seed, on every rank alike, *for the parts a normal build initialises
+through* ``reset_parameters()``. A module whose parameter was built already (the LM head tied to the token embedding)
+still runs its reset, on scratch stand-ins, because the normal build drew those numbers too. Initialisation that is
+not ``reset_parameters()`` (a custom ``_init_weights`` applied after construction) is not replayed.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -55,18 +66,17 @@ def build_meta_modules(
     meta_modules = [(name, m) for name, m in module.named_modules() if any(t.is_meta for t in _direct_tensors(m))]
     if not meta_modules:
         return
-    cuda = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=cuda):
-        state = dict(rng_state or {"cpu": torch.get_rng_state()})
-        if cuda and "cuda" not in state:
-            state["cuda"] = torch.cuda.get_rng_state(device)
-        if comm.is_initialized():
-            state = comm.broadcast_object(state, 0, group=group, tag="init")
-        torch.set_rng_state(state["cpu"])
-        if cuda:
-            torch.cuda.set_rng_state(state["cuda"], device)
-        for name, m in meta_modules:
-            _build(name, m, load_param, device)
+    # No fork_rng: the RNG goes on from where the replay leaves it, as it goes on after a normal build's init.
+    state = dict(rng_state or {"cpu": torch.get_rng_state()})
+    if device.type == "cuda" and "cuda" not in state:
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    if comm.is_initialized():
+        state = comm.broadcast_object(state, 0, group=group, tag="init")
+    torch.set_rng_state(state["cpu"])
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
+    for name, m in meta_modules:
+        _build(name, m, load_param, device)
 
 
 def _build(name: str, m: nn.Module, load_param: LoadParam, device: torch.device) -> None:
@@ -91,3 +101,64 @@ def _build(name: str, m: nn.Module, load_param: LoadParam, device: torch.device)
         if p is not None and k not in built:
             load_param(p)
     m._parameters.update(built)
+
+
+# ---------------------------------------------------------------- "full" construction ([Note: model construction])
+MODEL_INIT_MODES = ("auto", "full", "meta")
+MEMORY_SHARE = 4
+"""``"auto"`` builds the whole model when all local copies take at most 1/MEMORY_SHARE of the available memory."""
+
+
+class ModuleSnapshot:
+    """The structure of every module of a tree (its attributes, children, parameters and buffers), to be put back
+    after a trial construction on the meta device."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self._saved = [
+            (m, dict(m.__dict__), dict(m._modules), dict(m._parameters), dict(m._buffers)) for m in module.modules()
+        ]
+
+    def restore(self) -> None:
+        for m, attributes, modules, parameters, buffers in self._saved:
+            m.__dict__.clear()
+            m.__dict__.update(attributes)
+            m._modules, m._parameters, m._buffers = dict(modules), dict(parameters), dict(buffers)
+
+
+def meta_nbytes(module: nn.Module) -> int:
+    """Bytes of the module's parameters and buffers that live on the meta device (each tensor once)."""
+    tensors = {id(t): t for t in (*module.parameters(), *module.buffers()) if t.is_meta}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def available_bytes(device: torch.device) -> int:
+    """Free memory of ``device``: CUDA's free memory, or the host's ``MemAvailable``."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def fits_in_memory(nbytes: int, device: torch.device, copies: int) -> bool:
+    """Whether ``copies`` copies of ``nbytes`` take at most 1/:data:`MEMORY_SHARE` of ``device``'s free memory."""
+    return nbytes * copies * MEMORY_SHARE <= available_bytes(device)
+
+
+def unreplayed_init(module: nn.Module) -> list[str]:
+    """Modules with meta tensors below them whose own construction code a meta build does not replay: classes
+    defined outside ``torch.nn`` (their ``__init__`` may initialise children, e.g. ``self.apply(_init_weights)``)
+    and modules with a private ``_reset_parameters`` (``nn.Transformer``, ``nn.MultiheadAttention``)."""
+    found = []
+    for name, m in module.named_modules():
+        if not any(t.is_meta for t in (*m.parameters(), *m.buffers())):
+            continue
+        user_class = not type(m).__module__.startswith("torch.") and type(m).__init__ is not nn.Module.__init__
+        if hasattr(m, "_reset_parameters") or (user_class and not hasattr(m, "reset_parameters")):
+            found.append(f"{name or '<root>'} ({type(m).__name__})")
+    return found

@@ -82,10 +82,12 @@ class GradientReducer:
             ``p.grad`` stays a view of it.
         on_reduced: called with each bucket once its all-reduce has completed (before a transient release).
         find_unused_parameters: if ``False``, a synchronised backward that leaves a trainable parameter without a
-            gradient raises an error naming it. If ``True`` (persistent buckets only), such parameters are reduced
-            as zeros, and parameters that got no gradient on *any* rank during the accumulation window keep
-            ``p.grad = None`` (so the optimizer skips them, as in single-process training). Costs one extra small
-            all-reduce per step.
+            gradient raises an error naming it. If ``True``, such parameters are reduced as zeros (every rank still
+            launches every bucket, in order), and one small all-reduce per synchronised pass finds the parameters
+            that got no gradient on *any* rank during the accumulation window (:attr:`unused_everywhere`); with
+            persistent buckets they keep ``p.grad = None`` (so the optimizer skips them, as in single-process
+            training). A persistent reducer's window ends with each synchronised pass; a transient one's when its
+            owner calls :meth:`end_window` (after the optimizer step).
         group: process group (``None``: the default group).
         tag: ledger tag of the gradient all-reduces.
     """
@@ -102,8 +104,6 @@ class GradientReducer:
         group: Any = None,
         tag: str = "grads",
     ) -> None:
-        if find_unused_parameters and transient:
-            raise ValueError("find_unused_parameters=True needs persistent buckets (transient=False)")
         self._params = list(params)
         self._names = list(names)
         self._buckets = list(buckets)
@@ -131,7 +131,9 @@ class GradientReducer:
         self._hooks = [
             p.register_post_accumulate_grad_hook(partial(self._on_grad_ready, i)) for i, p in enumerate(self._params)
         ]
-        self._used = [False] * len(self._params)
+        self._used = [False] * len(self._params)  # got a gradient in this accumulation window
+        self._in_buffer = [False] * len(self._params)  # transient: its gradient is in its bucket's current buffer
+        self.unused_everywhere: list[int] = []  # of the last synchronised pass's window, by index
         self._reset_pass()
 
     @classmethod
@@ -179,6 +181,19 @@ class GradientReducer:
             yield
         finally:
             self.require_backward_grad_sync = previous
+
+    @property
+    def params(self) -> list[Tensor]:
+        """The parameters, in the order their indices refer to."""
+        return list(self._params)
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._names)
+
+    def end_window(self) -> None:
+        """A transient reducer's accumulation window is over (the optimizer stepped)."""
+        self._used = [False] * len(self._params)
 
     def remove(self) -> None:
         """Remove the autograd hooks; gradients stay where they are."""
@@ -232,7 +247,7 @@ class GradientReducer:
         if param.grad.data_ptr() != view.data_ptr():
             view.copy_(param.grad)
             param.grad = view
-        self._used[i] = True
+        self._used[i] = self._in_buffer[i] = True
         if not self.require_backward_grad_sync:
             return
         if not self._callback_queued:
@@ -265,6 +280,7 @@ class GradientReducer:
             if self.transient:
                 for i in bucket.indices:
                     self._params[i].grad = None
+                    self._in_buffer[i] = False
                 key = (bucket.dtype, bucket.device)
                 pool = self._pool.get(key, [])
                 self._free[key] += [b for b in pool if b.data_ptr() == bucket.buffer.data_ptr()]
@@ -283,19 +299,22 @@ class GradientReducer:
             if self.find_unused_parameters:
                 # Every rank runs this, used or not, so the collective sequence stays identical across ranks.
                 # A parameter "has a gradient" in this window as in single-process training: it was used, or it
-                # still holds one from before. The rest are reduced as zeros and keep grad=None if no rank has one.
+                # still holds one from before. Unready slices that hold no gradient of this window are zeroed (a
+                # persistent slice keeps an earlier window's values; a borrowed buffer holds anything).
                 has_grad = [used or p.grad is not None for used, p in zip(self._used, self._params)]
                 for i in unready:
-                    if not has_grad[i]:
-                        self._view(i).zero_()  # the slice holds an earlier window's gradient
+                    if not (self._in_buffer[i] if self.transient else self._params[i].grad is not None):
+                        self._view(i).zero_()
                 self._pending = [0] * len(self._buckets)
                 self._launch_ready_buckets()
                 anywhere = torch.tensor(has_grad, dtype=torch.int32, device=self._buckets[0].device)
                 comm.all_reduce(anywhere, "max", group=self.group, tag="unused_map")
+                self.unused_everywhere = [i for i, flag in enumerate(anywhere.tolist()) if not flag]
             self._drain(0)
-            if self.find_unused_parameters:
+            if self.find_unused_parameters and not self.transient:
                 for i, p in enumerate(self._params):
                     p.grad = self._view(i) if anywhere[i] else None
         finally:
-            self._used = [False] * len(self._params)
+            if not self.transient:
+                self._used = [False] * len(self._params)
             self._reset_pass()

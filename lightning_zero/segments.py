@@ -71,6 +71,7 @@ class Unit:
         self.handles: list[comm.Handle | None] = []
         self.expected = self.arrived = 0  # trainable parameters; gradients arrived in this backward
         self.backward_started = False
+        self.ready = False  # its gradients are complete in this pass, waiting for their turn to be reduced
 
     @property
     def params(self) -> list[nn.Parameter]:

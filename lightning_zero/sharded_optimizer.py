@@ -47,6 +47,7 @@ from lightning_zero import collectives as comm
 from lightning_zero.bucketing import assign_buckets
 from lightning_zero.partition import FlatLayout, flat_layout
 from lightning_zero.reducer import GradBucket, GradientReducer
+from lightning_zero.unused import HeldPieces, ParamPieces, param_pieces
 
 GRAD_SYNC_MODES = ("boundary", "microbatch")
 
@@ -86,6 +87,25 @@ def clip_grad_norm_(grads: list[Tensor], max_norm: float, *, group: object, devi
         for grad in grads:
             grad.mul_(coef)
     return total
+
+
+def shard_grad_norms(
+    params: list[ParamPieces], norm_type: float, *, group: object, device: torch.device
+) -> list[Tensor]:
+    """The norm of each parameter's *whole* gradient from its pieces in every rank's shard (one all-reduce).
+
+    Each rank sums ``|g|^p`` (or takes ``max |g|``) over its pieces of each parameter; the partial results of all ranks
+    add up (or max) to the parameter's. Parameters whose group has no gradient yet count as zero.
+    """
+    infinite = math.isinf(norm_type)
+    partial = torch.zeros(len(params), dtype=torch.float64, device=device)
+    for i, param in enumerate(params):
+        grad = param.shard.grad
+        for offset, length in param.pieces if grad is not None else []:
+            piece = grad.detach().narrow(0, offset, length).double().abs()
+            partial[i] = torch.maximum(partial[i], piece.max()) if infinite else partial[i] + piece.pow(norm_type).sum()
+    comm.all_reduce(partial, "max" if infinite else "sum", group=group, tag="grad_norm")
+    return list(partial if infinite else partial.pow(1.0 / norm_type))
 
 
 class _FlatGroup:
@@ -136,6 +156,9 @@ class ShardedOptimizer:
         grad_sync: ``"boundary"`` or ``"microbatch"`` (see the module docstring); ``None``: ``"boundary"`` for
             stage 1, ``"microbatch"`` for stage 2.
         bucket_cap_bytes: gradient bucket cap in bytes.
+        find_unused_parameters: allow parameters without a gradient in a backward pass (see
+            :class:`~lightning_zero.reducer.GradientReducer`); a parameter no rank used in an optimizer step is left
+            untouched by it ([Note: parameters no rank used] in ``lightning_zero/unused.py``).
         group: process group (``None``: the default group).
     """
 
@@ -147,6 +170,7 @@ class ShardedOptimizer:
         stage: int,
         grad_sync: str | None = None,
         bucket_cap_bytes: int,
+        find_unused_parameters: bool = False,
         group: object = None,
     ) -> None:
         if stage not in (1, 2):
@@ -177,9 +201,11 @@ class ShardedOptimizer:
             param_group["params"] = [flat_group.shard]
             self.groups.append(flat_group)
         check_in_optimizer([name for name, p in module.named_parameters() if p.requires_grad and id(p) not in seen])
-        self.reducer = self._build_reducer(module, bucket_cap_bytes)
+        self.reducer = self._build_reducer(module, bucket_cap_bytes, find_unused_parameters)
+        self._held = HeldPieces(optimizer)
+        self._pieces = [param_pieces(g.names, g.shard, g.layout, self.rank) for g in self.groups]
 
-    def _build_reducer(self, module: nn.Module, bucket_cap_bytes: int) -> GradientReducer:
+    def _build_reducer(self, module: nn.Module, bucket_cap_bytes: int, find_unused: bool) -> GradientReducer:
         # Every trainable parameter in reverse registration order, tagged with its group and flat offset.
         entries = []
         where = {id(p): (g, offset) for g in self.groups for p, offset in zip(g.params, g.layout.offsets)}
@@ -217,6 +243,7 @@ class ShardedOptimizer:
             buckets,
             transient=not self.persistent,
             on_reduced=self._on_bucket_reduced,
+            find_unused_parameters=find_unused,
             group=self.group,
         )
 
@@ -251,8 +278,26 @@ class ShardedOptimizer:
         grads = [g.shard.grad for g in self.groups if g.shard.grad is not None]
         return clip_grad_norm_(grads, max_norm, group=self.group, device=self.groups[0].flat.device)
 
+    @property
+    def param_pieces(self) -> list[ParamPieces]:
+        """Every trainable parameter with its pieces in this rank's shard."""
+        return [p for group in self._pieces for p in group]
+
+    @property
+    def unused_everywhere(self) -> set[str]:
+        """Parameters no rank used in the last synchronised window (with ``find_unused_parameters``)."""
+        return {self.reducer.names[i] for i in self.reducer.unused_everywhere}
+
+    def before_step(self) -> None:
+        """Between the last backward of a window and the optimizer's update: hold what no rank used."""
+        if self.reducer.find_unused_parameters:
+            self._held.hold(self.param_pieces, self.unused_everywhere)
+
     def after_step(self) -> None:
-        """All-gather the updated shards into the full parameters; drop full local gradients (stage 1)."""
+        """Put held pieces back, all-gather the updated shards into the full parameters, end the window (and drop
+        stage 1's full local gradients)."""
+        self._held.restore()
+        self.reducer.end_window()
         for g in self.groups:
             comm.all_gather(g.flat, g.shard.detach(), group=self.group, tag="params")
         if self.persistent:

@@ -55,7 +55,8 @@ from lightning_zero.gather_order import GatherOrder
 from lightning_zero.materialize import build_meta_modules, load_real_tensors
 from lightning_zero.segments import Segment, Unit, UnitState
 from lightning_zero.sharded_optimizer import GRAD_SYNC_MODES, check_in_optimizer, clip_grad_norm_
-from lightning_zero.units import ROOT, plan_units
+from lightning_zero.units import ROOT, check_compiled, plan_units
+from lightning_zero.unused import HeldPieces, ParamPieces, param_pieces
 
 FROZEN, TRAINABLE = "frozen", "trainable"
 """Segment keys before :meth:`ShardedParams.attach_optimizer` (after it, trainable keys are param group indices)."""
@@ -81,6 +82,8 @@ class ShardedParams:
             in ``lightning_zero/materialize.py``); default: the current RNG state.
         timeout: of the gather-sequence check's own process group (``None``: torch's default); pass the main
             group's, so a rank that stops gathering makes the others fail as soon as on the main group.
+        find_unused_parameters: allow trainable parameters without a gradient in a backward pass; see
+            [Note: unused parameters]. Off: such a parameter raises an error naming it.
         group: process group (``None``: the default group).
     """
 
@@ -95,6 +98,7 @@ class ShardedParams:
         device: torch.device | str = "cpu",
         rng_state: Mapping[str, Tensor] | None = None,
         timeout: timedelta | None = None,
+        find_unused_parameters: bool = False,
         group: Any = None,
     ) -> None:
         if grad_sync not in GRAD_SYNC_MODES:
@@ -111,7 +115,9 @@ class ShardedParams:
         self._placeholders: dict[torch.dtype, Tensor] = {}
         self._where: dict[int, tuple[Unit, Segment, int]] = {}  # id(param) -> its unit, segment and index there
         self._names = {id(p): name for name, p in module.named_parameters()}
-        self.units = [Unit(i, plan) for i, plan in enumerate(plan_units(module, auto_wrap_policy, min_num_params))]
+        plans = plan_units(module, auto_wrap_policy, min_num_params)
+        check_compiled(module, plans)
+        self.units = [Unit(i, plan) for i, plan in enumerate(plans)]
         for unit in self.units:
             params = [module.get_parameter(name) for name in unit.plan.param_names]
             self._build_segments(unit, [TRAINABLE if p.requires_grad else FROZEN for p in params], params)
@@ -123,7 +129,19 @@ class ShardedParams:
         self._pending: list[tuple[Unit, Segment, Tensor, Tensor, comm.Handle | None]] = []
         self._cache: dict[tuple[int, torch.dtype], list[Tensor]] = {}  # transient buffers reused within a step
         self._callback_queued = False
+        self.released, self._reading = False, False
         self._hooks = self._register_hooks()
+        owners = {id(m): m for m in module.modules() if any(id(p) in self._where for p in m.parameters(recurse=False))}
+        self._hooks += [m.register_state_dict_pre_hook(self._check_readable) for m in owners.values()]
+        # [Note: unused parameters]
+        self.find_unused_parameters = find_unused_parameters
+        self._trainable = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+        self._pass_used: set[int] = set()  # ids of parameters with a gradient in this backward pass
+        self._window_used: set[int] = set()  # ... in this accumulation window
+        self.unused_everywhere: set[str] = set()  # names: no gradient on any rank in the last synchronised window
+        self._reduce_order = [u for u in reversed(self.units) if u.expected]
+        self._next_reduce = 0
+        self._held: HeldPieces | None = None
 
     @staticmethod
     def of(module: nn.Module) -> ShardedParams | None:
@@ -228,6 +246,9 @@ class ShardedParams:
     @contextmanager
     def summon_full_params(self) -> Iterator[None]:
         """Inside, every module parameter holds its full value (read-only: writes do not reach the shards)."""
+        if self.released:
+            yield
+            return
         for unit in self.units:
             self._gather(unit)
             self._wait(unit)
@@ -289,27 +310,48 @@ class ShardedParams:
             region.copy_(p.grad.reshape(-1))
         segment.filled[i] = True
         p.grad = None
+        self._pass_used.add(id(p))
+        self._window_used.add(id(p))
         unit.arrived += 1
         if unit.arrived == unit.expected:
             self._unit_done(unit)
 
     def _unit_done(self, unit: Unit) -> None:
         if self.require_backward_grad_sync:
-            for s in unit.segments:
-                if s.grad_full is None:
-                    continue
-                s.zero_unfilled()
-                if s.grad_acc is None:
-                    s.grad_acc = torch.empty_like(s.shard)
-                first = s.shard.grad is None and all(p[1] is not s for p in self._pending)  # of this window
-                out = s.grad_acc if first else self._take(s.shard)
-                handle = comm.reduce_scatter(out, s.grad_full, "avg", group=self.group, async_op=True, tag="grads")
-                self._pending.append((unit, s, out, s.grad_full, handle))
-                s.grad_full = None
-            while len(self._pending) > MAX_PENDING_REDUCTIONS:
-                self._finish_reduction()
+            if self.find_unused_parameters:
+                unit.ready = True
+                self._reduce_in_order()
+            else:
+                self._reduce(unit)
         unit.arrived = -1  # done for this pass
         self._free(unit)
+
+    def _reduce_in_order(self, finish: bool = False) -> None:
+        """Reduce the ready units in the fixed order (all the rest too, as zeros where unused, with ``finish``)."""
+        while self._next_reduce < len(self._reduce_order):
+            unit = self._reduce_order[self._next_reduce]
+            if not (unit.ready or finish):
+                return
+            self._reduce(unit)
+            self._next_reduce += 1
+
+    def _reduce(self, unit: Unit) -> None:
+        """Launch the reduce-scatter of the unit's gradients (missing ones count as zeros)."""
+        for s in unit.segments:
+            if s.grad_full is None:
+                if not self.find_unused_parameters or s.key == FROZEN:
+                    continue
+                s.grad_full, s.filled = self._take(s.full), [False] * len(s.params)  # no gradient here on this rank
+            s.zero_unfilled()
+            if s.grad_acc is None:
+                s.grad_acc = torch.empty_like(s.shard)
+            first = s.shard.grad is None and all(p[1] is not s for p in self._pending)  # of this window
+            out = s.grad_acc if first else self._take(s.shard)
+            handle = comm.reduce_scatter(out, s.grad_full, "avg", group=self.group, async_op=True, tag="grads")
+            self._pending.append((unit, s, out, s.grad_full, handle))
+            s.grad_full = None
+        while len(self._pending) > MAX_PENDING_REDUCTIONS:
+            self._finish_reduction()
 
     def _finish_reduction(self) -> None:
         unit, segment, out, grad_full, handle = self._pending.pop(0)
@@ -332,18 +374,59 @@ class ShardedParams:
 
     def _end_backward(self) -> None:
         try:
+            sync = self.require_backward_grad_sync
+            unused = [name for name, p in self._trainable if id(p) not in self._pass_used]
+            if sync and unused and not self.find_unused_parameters:
+                raise RuntimeError(
+                    f"{len(unused)} trainable parameter(s) received no gradient in this backward pass: {unused}."
+                    " Make every parameter contribute to the loss, freeze the unused ones (requires_grad=False),"
+                    " or pass find_unused_parameters=True to the strategy."
+                )
             for unit in self.units:  # units with unused trainable parameters: the rest reduced as zeros
                 if unit.arrived > 0:
                     self._unit_done(unit)
+            if sync and self.find_unused_parameters:
+                self._reduce_in_order(finish=True)
+                self._find_unused_everywhere()
             while self._pending:
                 self._finish_reduction()
         finally:
             for unit in self.units:
-                unit.arrived = 0
+                unit.arrived, unit.ready = 0, False
+            self._next_reduce = 0
+            self._pass_used.clear()
             self._callback_queued = False
             self._cache.clear()  # nothing unsharded survives the step
             self._free_all()
         self._gather_order.end_pass()  # not after an error: the other ranks may never reach theirs
+
+    # ------------------------------------------------------------ unused parameters
+    # [Note: unused parameters] With find_unused_parameters=True a unit that a rank did not (fully) use is reduced all
+    # the same, its missing gradients as zeros, and every rank reduces the units in one fixed order (reverse unit
+    # order, roughly the order backward finishes them): a unit whose turn has not come waits with its unsharded
+    # gradient. After the last reduction one small all-reduce finds the parameters no rank used in the window; the
+    # optimizer step leaves those untouched (lightning_zero/unused.py), as torch DDP does.
+    def _find_unused_everywhere(self) -> None:
+        used = torch.tensor([id(p) in self._window_used for _, p in self._trainable], dtype=torch.int32)
+        comm.all_reduce(used.to(self.device), "max", group=self.group, tag="unused_map")
+        self.unused_everywhere = {name for (name, _), flag in zip(self._trainable, used.tolist()) if not flag}
+
+    @property
+    def param_pieces(self) -> list[ParamPieces]:
+        """Every trainable parameter with its pieces in this rank's shard."""
+        trainable = [s for s in self.segments if s.key != FROZEN]
+        return [p for s in trainable for p in param_pieces(s.names, s.shard, s.layout, self.rank)]
+
+    def before_step(self) -> None:
+        """Between the last backward of a window and the optimizer's update: hold what no rank used."""
+        if self.find_unused_parameters and self._held is not None:
+            self._held.hold(self.param_pieces, self.unused_everywhere)
+
+    def after_step(self) -> None:
+        """After the optimizer's update: put held pieces back; the accumulation window ends."""
+        if self._held is not None:
+            self._held.restore()
+        self._window_used.clear()
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -370,6 +453,7 @@ class ShardedParams:
             if keys != [s.key for s in unit.segments for _ in s.params]:
                 self._resegment(unit, keys, params)
         self.optimizer = optimizer
+        self._held = HeldPieces(optimizer)
         self.original_groups = [list(group["params"]) for group in optimizer.param_groups]
         for g, group in enumerate(optimizer.param_groups):
             group["params"] = [s.shard for u in self.units for s in u.segments if s.key == g]
@@ -410,6 +494,52 @@ class ShardedParams:
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+
+    # ------------------------------------------------------------ outside a step
+    # [Note: reading sharded parameters] Outside a step a module parameter is a placeholder that reads as zeros. So a
+    # fit that ends hands the full weights back (release(), when they fit in memory), and until then a state_dict()
+    # of a module holding placeholders raises instead of returning zeros.
+    @property
+    def full_nbytes(self) -> int:
+        """Bytes of every parameter, unsharded."""
+        return sum(s.layout.numel * s.full.element_size() for s in self.segments)
+
+    def release(self, device: torch.device) -> None:
+        """Gather every parameter into a tensor of its own on ``device`` and give the module back: hooks removed, no
+        longer registered as sharded (a later fit shards it anew from its weights then). The shards and the optimizer
+        stay usable for a checkpoint. Collective."""
+        for s in self.segments:
+            flat = torch.empty(s.layout.padded_numel, dtype=s.shard.dtype, device=self.device)
+            comm.all_gather(flat, s.shard.detach(), group=self.group, tag="release")
+            for p, offset in zip(s.params, s.layout.offsets):
+                p.data = flat.narrow(0, offset, p.numel()).view(p.shape).to(device, copy=True)
+        self.remove()
+        _ENGINES.pop(self.module, None)
+        self.released = True
+
+    @contextmanager
+    def reading_placeholders(self) -> Iterator[None]:
+        """Inside, ``state_dict()`` of the sharded module is allowed (for code that reads only keys and buffers)."""
+        previous, self._reading = self._reading, True
+        try:
+            yield
+        finally:
+            self._reading = previous
+
+    def _check_readable(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        sharded = [
+            name
+            for name, p in module.named_parameters(recurse=False)
+            if id(p) in self._where and self._where[id(p)][0].state is UnitState.SHARDED
+        ]
+        if sharded and not self._reading:
+            raise RuntimeError(
+                f"the parameters of {prefix.rstrip('.') or 'the module'} ({sharded}) are sharded by zero3_scratch: this"
+                " rank holds placeholders that read as zeros. Read them inside"
+                " `with trainer.strategy.engine.summon_full_params():` (on every rank), or save"
+                " `trainer.save_checkpoint(path)`. After a fit the full weights come back into the module when they"
+                " fit in memory (ZeroStrategy(model_init=...) decides)."
+            )
 
 
 def _owns(m: nn.Module, p: Tensor) -> bool:

@@ -82,14 +82,18 @@ def model_state_dict(engine: ShardedParams, sharded: bool) -> dict[str, Any]:
             values[id(p)] = _to_dtensor(mesh, full) if mesh is not None else full.clone()
     if not sharded and engine.rank != 0:
         return {}
-    return {k: values.get(id(t), t.detach()) for k, t in engine.module.state_dict(keep_vars=True).items()}
+    with engine.reading_placeholders():
+        state = engine.module.state_dict(keep_vars=True)
+    return {k: values.get(id(t), t.detach()) for k, t in state.items()}
 
 
 def model_template(engine: ShardedParams) -> dict[str, Any]:
     """What DCP loads a sharded model state into: DTensors for parameters, the module's buffers in place."""
     mesh = _mesh(engine)
     out = {}
-    for key, t in engine.module.state_dict(keep_vars=True).items():
+    with engine.reading_placeholders():
+        state = engine.module.state_dict(keep_vars=True)
+    for key, t in state.items():
         is_param = isinstance(t, torch.nn.Parameter)
         out[key] = _template(mesh, t.shape, t.dtype, engine.device) if is_param else t.detach()
     return out

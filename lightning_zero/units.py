@@ -93,3 +93,26 @@ def plan_units(
             common = max((u for u in unit_names if common.startswith(f"{u}.")), key=len, default=ROOT)
         owned[common].append(name)
     return [UnitPlan(name, tuple(params)) for name, params in owned.items() if params or name == ROOT]
+
+
+def _compiled(m: nn.Module) -> bool:
+    """``torch.compile(m)`` (an ``OptimizedModule``) or ``m.compile()``."""
+    return hasattr(m, "_orig_mod") or getattr(m, "_compiled_call_impl", None) is not None
+
+
+def check_compiled(module: nn.Module, plans: list[UnitPlan]) -> None:
+    """Refuse a ``torch.compile``'d module that contains a module the ZeRO-3 hooks sit on (a unit, or a module owning
+    root-unit parameters): the hooks gather parameters, and traced inside a compiled graph they would see the
+    placeholders. Compiling each unit (or anything inside one unit) is fine: its hooks run outside the graph."""
+    root_params = {id(p) for plan in plans if plan.name == ROOT for p in map(module.get_parameter, plan.param_names)}
+    hooked = [plan.name for plan in plans if plan.name != ROOT]
+    hooked += [name for name, m in module.named_modules() if any(id(p) in root_params for p in m._parameters.values())]
+    compiled = [name for name, m in module.named_modules() if _compiled(m)]
+    inside = sorted({h for h in hooked for c in compiled if h != c and _within(h, c)})
+    if inside:
+        raise ValueError(
+            f"zero3_scratch cannot shard a model compiled around its units: {compiled} contain(s) {inside}, whose"
+            " parameters ZeRO-3 gathers with hooks that must run outside compiled code. Compile each unit instead"
+            " (e.g. `for block in self.blocks: block.compile()` in configure_model), or choose units that contain"
+            " the compiled modules (auto_wrap_policy)."
+        )

@@ -184,3 +184,16 @@ class RobustAggregator:
         center = state.get("center")
         self.center = None if center is None else center.clone()
         self.generator.set_state(state["generator"])
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A torch.Generator does not survive torch.multiprocessing's pickling (the spawned child dies with "unable to
+        # resize file"), nor would a tensor of its state, which that pickler moves through shared memory: ship the
+        # state as plain bytes and rebuild the generator on the other side.
+        state = dict(self.__dict__)
+        state["generator"] = bytes(self.generator.get_state().numpy())
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        generator = torch.Generator()
+        generator.set_state(torch.frombuffer(bytearray(state.pop("generator")), dtype=torch.uint8))
+        self.__dict__.update(state, generator=generator)

@@ -79,6 +79,17 @@ class WorkerGradients:
         self.momentum = momentum
         self.momentum_rows = torch.zeros_like(self.rows) if momentum > 0 else None
         self._views = [self._views_of(row) for row in self.rows]
+        self.used = [False] * len(self.params)  # got a gradient in this accumulation window (any worker)
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(lambda _, i=i: self.used.__setitem__(i, True))
+            for i, p in enumerate(self.params)
+        ]
+
+    def remove(self) -> None:
+        """Remove the autograd hooks that track which parameters got a gradient."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
 
     @property
     def workers(self) -> int:
@@ -112,7 +123,7 @@ class WorkerGradients:
             return self.rows
         return self.momentum_rows.mul_(self.momentum).add_(self.rows, alpha=1 - self.momentum)
 
-    def set_grads(self, aggregate: Tensor) -> None:
-        """Bind every ``p.grad`` to its slice of the ``(d,)`` aggregate."""
-        for p, view in zip(self.params, self._views_of(aggregate.contiguous())):
-            p.grad = view
+    def set_grads(self, aggregate: Tensor, skip: Sequence[bool] | None = None) -> None:
+        """Bind every ``p.grad`` to its slice of the ``(d,)`` aggregate (``None`` where ``skip`` says so)."""
+        for i, (p, view) in enumerate(zip(self.params, self._views_of(aggregate.contiguous()))):
+            p.grad = None if skip is not None and skip[i] else view

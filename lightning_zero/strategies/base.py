@@ -10,6 +10,20 @@ What a subclass inherits:
 - ``is_distributed = True``, so Lightning injects a ``DistributedSampler`` into every loader.
 - ``reduce``/``all_gather``/``broadcast``/``barrier`` through :mod:`lightning_zero.collectives`, which is what
   ``self.log(..., sync_dist=True)`` and ``trainer.strategy.reduce`` use.
+- **Buffers as torch DDP keeps them** ([Note: buffer broadcast] below) and ``sync_batchnorm=True`` through
+  :mod:`lightning_zero.sync_batchnorm`.
+- **The process group torn down at exit**: a script that ends with the group alive was measured to abort now and
+  then at interpreter exit ("terminate called without an active exception", SIGABRT) after a successful fit, with
+  Lightning's ``ddp`` as well; an ``atexit`` handler destroys whatever group is still alive first.
+
+[Note: buffer broadcast] torch DDP (``DistributedDataParallel._pre_forward``/``_post_forward``) broadcasts rank 0's
+buffers (BatchNorm running statistics) before a forward when ``broadcast_buffers`` is on and the *previous* forward
+ran with gradients enabled outside ``no_sync``; it starts with that flag set. Lightning routes every
+training/validation/test/predict step of a fit through the DDP wrapper's forward, and wraps nothing outside a fit.
+Our strategies do the same around each step (:meth:`ScratchParallelStrategy._buffer_sync`), whatever their gradient
+engine does, so buffers and every metric computed from them are those of ``ddp``: with ``accumulate_grad_batches=3``
+the broadcast comes before the first micro-batch of each window, and a validation step right after a training step
+broadcasts while the next training step does not.
 
 Settings are validated when the strategy is built and again when the Trainer attaches the accelerator
 (``_configure_launcher``), so a bad combination fails before any process starts.
@@ -17,7 +31,10 @@ Settings are validated when the strategy is built and again when the Trainer att
 
 from __future__ import annotations
 
+import atexit
 import logging
+from collections.abc import Generator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any
 
@@ -30,9 +47,11 @@ from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.distributed import _init_dist_connection
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.plugins.layer_sync import LayerSync, TorchSyncBatchNorm
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
@@ -40,6 +59,7 @@ from typing_extensions import override
 
 from lightning_zero import collectives as comm
 from lightning_zero.memory import ModelStateBytes, model_state_bytes
+from lightning_zero.sync_batchnorm import ScratchSyncBatchNorm
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +73,27 @@ def broadcast_module_states(module: Any, src: int = 0, tag: str = "sync_states",
     tensors += list(module.buffers())
     for tensor in tensors:
         comm.broadcast(tensor.data, src, tag=tag)
+
+
+def check_flag(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}={value!r} is invalid: expected True or False")
+
+
+_exit_handler_registered = False
+
+
+def _destroy_process_group_at_exit() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def destroy_process_group_at_exit() -> None:
+    """Register (once per process) the ``atexit`` handler that destroys a process group still alive at exit."""
+    global _exit_handler_registered
+    if not _exit_handler_registered:
+        atexit.register(_destroy_process_group_at_exit)
+        _exit_handler_registered = True
 
 
 def _reduce_op_name(reduce_op: Any) -> str:
@@ -95,7 +136,14 @@ class ScratchParallelStrategy(ParallelStrategy):
         timeout: collective timeout (a ``timedelta`` or seconds). A rank that dies makes the others fail after at
             most this long instead of hanging.
         start_method: ``"popen"`` (default), ``"spawn"``, ``"fork"`` or ``"forkserver"``.
+        find_unused_parameters: allow trainable parameters that get no gradient in a backward pass, as torch DDP's
+            option of that name: they are averaged as zeros where a rank did not use them, and a parameter no rank
+            used in an optimizer step is left untouched by that step (its gradient stays ``None``). Off (default): such
+            a parameter raises an error naming it.
+        broadcast_buffers: re-broadcast rank 0's buffers as torch DDP does ([Note: buffer broadcast]).
     """
+
+    strategy_name = "scratch"
 
     def __init__(
         self,
@@ -107,7 +155,11 @@ class ScratchParallelStrategy(ParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | float | None = default_pg_timeout,
         start_method: str = "popen",
+        find_unused_parameters: bool = False,
+        broadcast_buffers: bool = True,
     ) -> None:
+        check_flag("find_unused_parameters", find_unused_parameters)
+        check_flag("broadcast_buffers", broadcast_buffers)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -130,6 +182,10 @@ class ScratchParallelStrategy(ParallelStrategy):
         self._timeout = timeout
         self._start_method = start_method
         self._num_nodes = 1
+        self.find_unused_parameters = find_unused_parameters
+        self.broadcast_buffers = broadcast_buffers
+        self._backward_sync_blocked = False
+        self._forward_param_sync = True  # [Note: buffer broadcast]
 
     # ------------------------------------------------------------ topology
     @property
@@ -201,6 +257,7 @@ class ScratchParallelStrategy(ParallelStrategy):
         _init_dist_connection(
             self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
         )
+        destroy_process_group_at_exit()
 
     @override
     def model_to_device(self) -> None:
@@ -214,6 +271,102 @@ class ScratchParallelStrategy(ParallelStrategy):
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         broadcast_module_states(self.model)
+        self._apply_layer_sync(trainer)
+
+    # ------------------------------------------------------------ buffers and layer sync
+    @property
+    def _fitting(self) -> bool:
+        module = self.lightning_module
+        return module is not None and module._trainer is not None and module.trainer.state.fn == TrainerFn.FITTING
+
+    def _apply_layer_sync(self, trainer: pl.Trainer) -> None:
+        """``sync_batchnorm=True`` (fit only, as ``ddp``): Lightning's plugin is swapped for ours, which runs on
+        CPU and through our collectives; another ``LayerSync`` plugin is applied as given."""
+        self._forward_param_sync = True  # a fresh DDP wrapper starts with the flag set
+        if isinstance(self._layer_sync, TorchSyncBatchNorm):
+            self._layer_sync = ScratchSyncBatchNorm()
+        if self._layer_sync is not None and trainer.state.fn == TrainerFn.FITTING:
+            self.model = self._layer_sync.apply(self.model)
+
+    def _revert_layer_sync(self) -> None:
+        module = self.lightning_module
+        if isinstance(self._layer_sync, LayerSync) and module is not None and self._fitting:
+            self.model = self._layer_sync.revert(module)
+
+    @contextmanager
+    def _buffer_sync(self) -> Generator[None, None, None]:
+        """Around one step's forward: torch DDP's buffer rule ([Note: buffer broadcast]); a fit only."""
+        module = self.lightning_module
+        if not self._fitting or module is None:
+            yield
+            return
+        if self.broadcast_buffers and self._forward_param_sync and comm.is_initialized():
+            broadcast_module_states(module, tag="buffers", buffers_only=True)
+        yield
+        self._forward_param_sync = torch.is_grad_enabled() and not self._backward_sync_blocked
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._check_trainable()
+        with self._buffer_sync():
+            return super().training_step(*args, **kwargs)
+
+    # ------------------------------------------------------------ parameters unfrozen (or frozen) during a fit
+    def _record_trainable(self) -> None:
+        """At setup: the parameters the gradient engine was built for."""
+        module = self.lightning_module
+        self._trainable_ids = {id(p) for p in module.parameters() if p.requires_grad} if module is not None else set()
+
+    def _check_trainable(self) -> None:
+        """Before each training step: has a callback (``BackboneFinetuning``) or the user changed ``requires_grad``?"""
+        module, recorded = self.lightning_module, getattr(self, "_trainable_ids", None)
+        if module is None or recorded is None:
+            return
+        changed = [n for n, p in module.named_parameters() if p.requires_grad != (id(p) in recorded)]
+        if changed:
+            self._trainable_changed(changed)
+
+    def _trainable_changed(self, names: list[str]) -> None:
+        """React to parameters whose ``requires_grad`` changed since setup (``names``); by default refuse."""
+        raise RuntimeError(
+            f"{self.strategy_name}: the parameters {names} changed requires_grad after the fit started (e.g."
+            " BackboneFinetuning unfreezing a backbone), but this strategy shards or aggregates the gradients and"
+            " optimizer state of the parameters that were trainable at setup only. Declare them trainable from the"
+            " start (requires_grad=True, in their own optimizer param group with lr=0 until they should train), or"
+            " use ddp_scratch, which follows such changes."
+        )
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._buffer_sync():
+            return super().validation_step(*args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._buffer_sync():
+            return super().test_step(*args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._buffer_sync():
+            return super().predict_step(*args, **kwargs)
+
+    # ------------------------------------------------------------ gradient accumulation
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Lightning enters this on the non-boundary micro-batches of an accumulation window: what the gradient
+        engine then does is :meth:`_engine_no_sync`'s business; the buffer rule notes it either way."""
+        previous, self._backward_sync_blocked = self._backward_sync_blocked, True
+        try:
+            with self._engine_no_sync():
+                yield None
+        finally:
+            self._backward_sync_blocked = previous
+
+    def _engine_no_sync(self) -> AbstractContextManager:
+        """What the gradient engine does on a non-boundary micro-batch (subclasses: skip communication)."""
+        return nullcontext()
 
     # ------------------------------------------------------------ Lightning's collectives
     def _device_ids(self) -> list[int] | None:

@@ -13,8 +13,7 @@ window Lightning enters :meth:`block_backward_sync`, and nothing is communicated
 
 from __future__ import annotations
 
-from collections.abc import Generator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import lightning.pytorch as pl
@@ -25,7 +24,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_zero.reducer import GradientReducer
-from lightning_zero.strategies.base import ScratchParallelStrategy, broadcast_module_states
+from lightning_zero.strategies.base import ScratchParallelStrategy
 
 
 class ScratchDDPStrategy(ScratchParallelStrategy):
@@ -33,30 +32,17 @@ class ScratchDDPStrategy(ScratchParallelStrategy):
 
     Args:
         bucket_size_mb: cap of one gradient bucket in MiB (> 0). 25 balances overlap against per-call overhead.
-        find_unused_parameters: allow trainable parameters that get no gradient in a step (see
-            :class:`~lightning_zero.reducer.GradientReducer`); by default they raise an error naming them.
-        broadcast_buffers: re-broadcast rank 0's buffers (e.g. BatchNorm running stats) before the forward of every
-            micro-batch that synchronises gradients, so buffers never drift apart. Non-boundary micro-batches
-            still communicate nothing.
-        **kwargs: see :class:`~lightning_zero.strategies.base.ScratchParallelStrategy` (``process_group_backend``,
-            ``timeout``, ``start_method``, ...).
+        **kwargs: see :class:`~lightning_zero.strategies.base.ScratchParallelStrategy` (``find_unused_parameters``,
+            ``broadcast_buffers``, ``process_group_backend``, ``timeout``, ``start_method``, ...).
     """
 
     strategy_name = "ddp_scratch"
 
-    def __init__(
-        self,
-        bucket_size_mb: float = 25,
-        find_unused_parameters: bool = False,
-        broadcast_buffers: bool = True,
-        **kwargs: Any,
-    ) -> None:
+    def __init__(self, bucket_size_mb: float = 25, **kwargs: Any) -> None:
         if isinstance(bucket_size_mb, bool) or not isinstance(bucket_size_mb, (int, float)) or bucket_size_mb <= 0:
             raise ValueError(f"bucket_size_mb={bucket_size_mb!r} is invalid: expected a number of MiB > 0")
         super().__init__(**kwargs)
         self.bucket_size_mb = bucket_size_mb
-        self.find_unused_parameters = find_unused_parameters
-        self.broadcast_buffers = broadcast_buffers
         self._reducer: GradientReducer | None = None
 
     @property
@@ -74,42 +60,44 @@ class ScratchDDPStrategy(ScratchParallelStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         self._setup_replicas(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
-            if self._layer_sync:
-                self.model = self._layer_sync.apply(self.model)
-            self._reducer = GradientReducer.for_module(
-                self.model,
-                bucket_cap_bytes=int(self.bucket_size_mb * 2**20),
-                find_unused_parameters=self.find_unused_parameters,
-            )
+            self._build_reducer()
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
 
-    @contextmanager
-    @override
-    def block_backward_sync(self) -> Generator[None, None, None]:
-        """Lightning enters this on non-boundary micro-batches: accumulate locally, communicate nothing."""
-        if self._reducer is None:
-            yield None
-            return
-        with self._reducer.no_sync():
-            yield None
+    def _build_reducer(self) -> None:
+        old, self._reducer = (
+            self._reducer,
+            GradientReducer.for_module(
+                self.model,
+                bucket_cap_bytes=int(self.bucket_size_mb * 2**20),
+                find_unused_parameters=self.find_unused_parameters,
+            ),
+        )
+        if old is not None:  # rebuilt inside a fit, maybe inside Lightning's no_sync window
+            old.remove()
+            self._reducer.require_backward_grad_sync = old.require_backward_grad_sync
+        self._record_trainable()
 
     @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        reducer = self._reducer
-        if self.broadcast_buffers and reducer is not None and reducer.require_backward_grad_sync:
-            broadcast_module_states(self.lightning_module, tag="buffers", buffers_only=True)
-        return super().training_step(*args, **kwargs)
+    def _trainable_changed(self, names: list[str]) -> None:
+        """Parameters unfrozen (or frozen) during the fit (``BackboneFinetuning``): rebuild the buckets over the
+        trainable parameters now, so every one of them is averaged (torch DDP keeps its setup-time set, and ranks
+        then step unfrozen parameters on their own gradients)."""
+        self._build_reducer()
+
+    @override
+    def _engine_no_sync(self) -> AbstractContextManager:
+        """Non-boundary micro-batches: accumulate locally, communicate nothing."""
+        return self._reducer.no_sync() if self._reducer is not None else nullcontext()
 
     @override
     def teardown(self) -> None:
         if self._reducer is not None:
             self._reducer.remove()
             self._reducer = None
-        if self._layer_sync and self.lightning_module is not None:
-            self.model = self._layer_sync.revert(self.lightning_module)
+        self._revert_layer_sync()
         super().teardown()
 
     @classmethod

@@ -23,8 +23,7 @@ all-gather output). The same values are in :attr:`RobustDDPStrategy.last_result`
 
 from __future__ import annotations
 
-from collections.abc import Generator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
@@ -32,6 +31,7 @@ import torch
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from typing_extensions import override
@@ -40,7 +40,7 @@ from lightning_zero import collectives as comm
 from lightning_zero.robust.aggregation import AggregationResult, RobustAggregator, StageSpec
 from lightning_zero.robust.attacks import flip_labels
 from lightning_zero.robust.workers import WorkerGradients, split_batch
-from lightning_zero.strategies.base import ScratchParallelStrategy, broadcast_module_states
+from lightning_zero.strategies.base import ScratchParallelStrategy
 
 CHECKPOINT_KEY = "robust_aggregation"
 """The checkpoint entry holding the worker momentum (all ``n`` rows), the rule's centre and the generator state."""
@@ -73,8 +73,6 @@ class RobustDDPStrategy(ScratchParallelStrategy):
         attack_kwargs: the attack's parameters (``alie`` needs ``z``; ``label_flip`` needs ``num_classes``).
         byzantine_workers: global indices of the simulated Byzantine workers (default: the last ``f``).
         seed: seed of the generator behind ``bucketing`` and the ``gaussian`` attack (same on every rank).
-        broadcast_buffers: as in ``ddp_scratch``: rank 0's buffers are broadcast before each synchronising
-            micro-batch.
         **kwargs: see :class:`~lightning_zero.strategies.base.ScratchParallelStrategy`.
     """
 
@@ -92,7 +90,6 @@ class RobustDDPStrategy(ScratchParallelStrategy):
         attack_kwargs: Mapping[str, Any] | None = None,
         byzantine_workers: Sequence[int] | None = None,
         seed: int = 0,
-        broadcast_buffers: bool = True,
         **kwargs: Any,
     ) -> None:
         check_workers(workers_per_rank, worker_momentum)
@@ -102,11 +99,9 @@ class RobustDDPStrategy(ScratchParallelStrategy):
         super().__init__(**kwargs)
         self.workers_per_rank = workers_per_rank
         self.worker_momentum = worker_momentum
-        self.broadcast_buffers = broadcast_buffers
         self.last_result: AggregationResult | None = None
         self._grads: WorkerGradients | None = None
         self._worker_losses: list[Tensor] = []
-        self._sync = True
         self._window_open = False
 
     @property
@@ -133,6 +128,7 @@ class RobustDDPStrategy(ScratchParallelStrategy):
                 raise ValueError("robust_ddp_scratch needs automatic optimization (automatic_optimization=True)")
             params = [p for p in self.model.parameters() if p.requires_grad]
             self._grads = WorkerGradients(params, self.workers_per_rank, self.worker_momentum)
+            self._record_trainable()
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -141,15 +137,15 @@ class RobustDDPStrategy(ScratchParallelStrategy):
     # ------------------------------------------------------------ forward: one call per worker
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self.broadcast_buffers and self._sync:
-            broadcast_module_states(self.lightning_module, tag="buffers", buffers_only=True)
+        self._check_trainable()
         batch, rest = args[0], args[1:]
         first = self.global_rank * self.workers_per_rank
         outputs = []
-        for j, chunk in enumerate(split_batch(batch, self.workers_per_rank)):
-            if self.aggregator.data_attack and first + j in self.aggregator.byzantine:
-                chunk = self._flip_labels(chunk)
-            outputs.append(super().training_step(chunk, *rest, **kwargs))
+        with self._buffer_sync():  # once per step, not per worker: the workers are one DDP forward
+            for j, chunk in enumerate(split_batch(batch, self.workers_per_rank)):
+                if self.aggregator.data_attack and first + j in self.aggregator.byzantine:
+                    chunk = self._flip_labels(chunk)
+                outputs.append(ParallelStrategy.training_step(self, chunk, *rest, **kwargs))
         return self._combine(outputs)
 
     def _flip_labels(self, chunk: Any) -> Any:
@@ -170,16 +166,6 @@ class RobustDDPStrategy(ScratchParallelStrategy):
         return {**outputs[-1], "loss": mean} if isinstance(outputs[-1], Mapping) else mean
 
     # ------------------------------------------------------------ backward: one per worker, then aggregate
-    @contextmanager
-    @override
-    def block_backward_sync(self) -> Generator[None, None, None]:
-        """Lightning enters this on non-boundary micro-batches: accumulate into the rows, communicate nothing."""
-        self._sync = False
-        try:
-            yield None
-        finally:
-            self._sync = True
-
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         grads, module = self._grads, self.lightning_module
@@ -190,6 +176,7 @@ class RobustDDPStrategy(ScratchParallelStrategy):
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
         if not self._window_open:
             grads.rows.zero_()
+            grads.used = [False] * len(grads.params)
             self._window_open = True
         # Lightning divides the loss by accumulate_grad_batches; each worker's loss gets the same scale.
         scale = 1.0 / self.lightning_module.trainer.accumulate_grad_batches
@@ -197,9 +184,29 @@ class RobustDDPStrategy(ScratchParallelStrategy):
             grads.bind(j)
             self.precision_plugin.backward(loss * scale, module, optimizer, *args, **kwargs)
             grads.collect(j)
-        if self._sync:
+        if not self._backward_sync_blocked:  # non-boundary micro-batches: accumulate into the rows only
             self._aggregate()
         return self.precision_plugin.post_backward(closure_loss, module)
+
+    def _unused_everywhere(self) -> list[bool] | None:
+        """Parameters without a gradient in this window: an error, or with ``find_unused_parameters`` their rows
+        stay zero and the parameters no rank used get ``p.grad = None`` (as under torch DDP)."""
+        grads = self._grads
+        assert grads is not None
+        if not self.find_unused_parameters:
+            names = [n for n, p in self.lightning_module.named_parameters() if p.requires_grad]
+            unused = [name for name, used in zip(names, grads.used) if not used]
+            if unused:
+                raise RuntimeError(
+                    f"{len(unused)} trainable parameter(s) received no gradient in this step: {unused}. Make every"
+                    " parameter contribute to the loss, freeze the unused ones (requires_grad=False), or pass"
+                    " find_unused_parameters=True to the strategy."
+                )
+            return None
+        used = torch.tensor(grads.used, dtype=torch.int32, device=grads.rows.device)
+        if comm.world_size() > 1:
+            comm.all_reduce(used, "max", tag="unused_map")
+        return [not flag for flag in used.tolist()]
 
     def _gather_rows(self, rows: Tensor, tag: str) -> Tensor:
         """This rank's ``(k, d)`` worker rows -> every worker's ``(n, d)``, in global worker order (one process: the
@@ -213,9 +220,10 @@ class RobustDDPStrategy(ScratchParallelStrategy):
     def _aggregate(self) -> None:
         grads = self._grads
         assert grads is not None
+        unused = self._unused_everywhere()
         stack = self._gather_rows(grads.vectors(), tag="worker_grads")
         result = self.aggregator(stack)
-        grads.set_grads(result.vector)
+        grads.set_grads(result.vector, skip=unused)
         self._window_open = False
         self.last_result = result
         comm_bytes = stack.numel() * stack.element_size() if comm.world_size() > 1 else 0
@@ -269,6 +277,9 @@ class RobustDDPStrategy(ScratchParallelStrategy):
         # The worker rows stay, like the optimizer's state: momentum rows belong in a checkpoint saved after fit.
         self._worker_losses = []
         self._window_open = False
+        if self._grads is not None:
+            self._grads.remove()
+        self._revert_layer_sync()
         super().teardown()
 
     @classmethod

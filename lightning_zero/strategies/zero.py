@@ -27,21 +27,30 @@ also after ``fit``; ``fit(ckpt_path=...)`` reads either kind, saved at any world
 from __future__ import annotations
 
 from collections.abc import Callable, Generator
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.callbacks import BaseFinetuning
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero import sharded_params_state as sp_state
 from lightning_zero.checkpoint import is_sharded_checkpoint, load_sharded, read_metadata, save_sharded
-from lightning_zero.sharded_optimizer import GRAD_SYNC_MODES, ShardedOptimizer
+from lightning_zero.materialize import (
+    MODEL_INIT_MODES,
+    ModuleSnapshot,
+    fits_in_memory,
+    meta_nbytes,
+    unreplayed_init,
+)
+from lightning_zero.sharded_optimizer import GRAD_SYNC_MODES, ShardedOptimizer, shard_grad_norms
 from lightning_zero.sharded_params import ShardedParams
 from lightning_zero.strategies.base import ScratchParallelStrategy, SpawnLauncher
 
@@ -76,7 +85,13 @@ class ZeroStrategy(ScratchParallelStrategy):
             ``lightning_zero/units.py``).
         reshard_after_forward: stage 3: free each unit after its forward (``True``, 3 x 4Ψ traffic per step) or keep
             it until its backward (``False``, 2 x 4Ψ, more memory).
-        **kwargs: see :class:`~lightning_zero.strategies.base.ScratchParallelStrategy`.
+        model_init: stage 3, a model built in ``configure_model``: ``"full"`` (run it for real and shard the result:
+            exactly the weights of a normal build), ``"meta"`` (build module by module with ``reset_parameters()``;
+            no rank ever holds the model) or ``"auto"`` (``"full"`` when it fits comfortably in memory). See
+            [Note: model construction] in ``lightning_zero/materialize.py``. The same rule decides whether the
+            weights are gathered back into the module when a fit ends.
+        **kwargs: see :class:`~lightning_zero.strategies.base.ScratchParallelStrategy` (``find_unused_parameters``,
+            ``broadcast_buffers``, ``process_group_backend``, ``timeout``, ``start_method``).
     """
 
     def __init__(
@@ -88,12 +103,16 @@ class ZeroStrategy(ScratchParallelStrategy):
         auto_wrap_policy: set[type] | None = None,
         min_num_params: int | None = None,
         reshard_after_forward: bool = True,
+        model_init: str = "auto",
         **kwargs: Any,
     ) -> None:
         if stage not in STAGES:
             raise ValueError(f"stage={stage!r} is invalid: expected 1, 2 or 3")
         stage3_only = {"auto_wrap_policy": auto_wrap_policy, "min_num_params": min_num_params}
         stage3_only["reshard_after_forward"] = None if reshard_after_forward is True else reshard_after_forward
+        stage3_only["model_init"] = None if model_init == "auto" else model_init
+        if model_init not in MODEL_INIT_MODES:
+            raise ValueError(f"model_init={model_init!r} is invalid: expected one of {MODEL_INIT_MODES}")
         misplaced = [k for k, v in stage3_only.items() if v is not None]
         if stage != 3 and misplaced:
             raise ValueError(f"{', '.join(misplaced)} apply to stage=3 only: got stage={stage}")
@@ -118,6 +137,7 @@ class ZeroStrategy(ScratchParallelStrategy):
         self.state_dict_type = state_dict_type
         self.auto_wrap_policy, self.min_num_params = auto_wrap_policy, min_num_params
         self.reshard_after_forward = reshard_after_forward
+        self.model_init = model_init
         self._engine: ShardedOptimizer | None = None
         self._params: ShardedParams | None = None
         self._init_rng_state: dict[str, torch.Tensor] | None = None
@@ -151,13 +171,44 @@ class ZeroStrategy(ScratchParallelStrategy):
     @contextmanager
     @override
     def model_sharded_context(self) -> Generator[None, None, None]:
-        """Stage 3: ``configure_model`` builds on the meta device; the engine builds each piece on its rank."""
-        with torch.device("meta") if self.stage == 3 else nullcontext():
+        """Stage 3: ``configure_model`` runs on the meta device, then for real or piece by piece in the engine
+        ([Note: model construction] in ``lightning_zero/materialize.py``)."""
+        module = self.lightning_module
+        if self.stage != 3 or module is None:
             yield
-        if self.stage == 3:  # meta construction draws no random numbers: this is the state a normal build starts from
-            self._init_rng_state = {"cpu": torch.get_rng_state()}
-            if self.root_device.type == "cuda":
-                self._init_rng_state["cuda"] = torch.cuda.get_rng_state(self.root_device)
+            return
+        snapshot = ModuleSnapshot(module) if self.model_init != "meta" else None
+        rng_before = self._rng_state()
+        with torch.device("meta"):
+            yield
+        self._init_rng_state = self._rng_state()  # meta construction draws no random numbers: still rng_before
+        nbytes = meta_nbytes(module)
+        if not nbytes:
+            return
+        copies = self.num_processes if self.root_device.type == "cpu" else 1  # local processes share host memory
+        if snapshot is not None and (self.model_init == "full" or fits_in_memory(nbytes, self.root_device, copies)):
+            snapshot.restore()
+            torch.set_rng_state(rng_before["cpu"])
+            if "cuda" in rng_before:
+                torch.cuda.set_rng_state(rng_before["cuda"], self.root_device)
+            with self.precision_plugin.module_init_context():
+                module.configure_model()
+            return
+        unreplayed = unreplayed_init(module)
+        if unreplayed:
+            rank_zero_warn(
+                f"zero3_scratch builds this model on the meta device (model_init={self.model_init!r},"
+                f" {nbytes / 2**30:.2f} GiB of parameters and buffers): each module's reset_parameters() is replayed,"
+                " but not the init code"
+                f" of {unreplayed}, so their weights may differ from a normal build. Give them a reset_parameters(),"
+                " or pass model_init='full' if the model fits in memory."
+            )
+
+    def _rng_state(self) -> dict[str, Tensor]:
+        state = {"cpu": torch.get_rng_state()}
+        if self.root_device.type == "cuda":
+            state["cuda"] = torch.cuda.get_rng_state(self.root_device)
+        return state
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -165,6 +216,7 @@ class ZeroStrategy(ScratchParallelStrategy):
             return self._setup_stage3(trainer)
         self._setup_replicas(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
+            self._check_no_finetuning(trainer)
             self.setup_optimizers(trainer)
             self._check_one_optimizer()
             _optimizers_to_device(self.optimizers, self.root_device)
@@ -174,7 +226,9 @@ class ZeroStrategy(ScratchParallelStrategy):
                 stage=self.stage,
                 grad_sync=self.grad_sync,
                 bucket_cap_bytes=int(self.bucket_size_mb * 2**20),
+                find_unused_parameters=self.find_unused_parameters,
             )
+            self._record_trainable()
             # [Note: global-norm clipping] Lightning's Precision.clip_grad_by_norm takes the norm of the optimizer's
             # parameters' gradients, here this rank's shard only. Route it to the engine's global norm instead.
             self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm  # type: ignore[method-assign]
@@ -184,7 +238,9 @@ class ZeroStrategy(ScratchParallelStrategy):
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         self.precision_plugin.convert_module(self.model)
-        self._params = ShardedParams.of(self.model)  # a model that an earlier fit sharded stays sharded
+        self._params = ShardedParams.of(self.model)  # a model too big to be gathered after an earlier fit
+        if self._params is None:
+            self._apply_layer_sync(trainer)  # before sharding: the engine hooks the converted modules
         if self._params is not None and self._params.world_size != self.world_size:
             raise ValueError(
                 f"the model is sharded over {self._params.world_size} ranks by an earlier fit: this run has"
@@ -200,14 +256,28 @@ class ZeroStrategy(ScratchParallelStrategy):
                 device=self.root_device,
                 rng_state=self._init_rng_state,
                 timeout=self._timeout,
+                find_unused_parameters=self.find_unused_parameters,
             )
         if trainer.state.fn == TrainerFn.FITTING:
+            self._check_no_finetuning(trainer)
             self.setup_optimizers(trainer)
             self._check_one_optimizer()
             self._params.attach_optimizer(self.optimizers[0])
+            self._record_trainable()
             _optimizers_to_device(self.optimizers, self.root_device)
             self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm  # type: ignore[method-assign]
         self.setup_precision_plugin()
+
+    def _check_no_finetuning(self, trainer: pl.Trainer) -> None:
+        finetuning = [type(c).__name__ for c in trainer.callbacks if isinstance(c, BaseFinetuning)]
+        if finetuning:
+            raise ValueError(
+                f"{self.strategy_name} cannot run {finetuning}: such a callback unfreezes parameters during the fit"
+                " and maps the optimizer's param groups to module parameters, but ZeRO shards the optimizer over the"
+                " parameters trainable at setup. Declare them trainable from the start (requires_grad=True, in their"
+                " own optimizer param group with lr=0 until they should train), or use ddp_scratch, which follows"
+                " such changes."
+            )
 
     def _check_one_optimizer(self) -> None:
         if len(self.optimizers) != 1:
@@ -216,26 +286,42 @@ class ZeroStrategy(ScratchParallelStrategy):
                 " into one optimizer with several param groups"
             )
 
+    def grad_norms(self, norm_type: float) -> dict[str, Tensor]:
+        """The norm of each parameter's averaged gradient, by name, for the parameters that would have a ``p.grad``
+        under ``ddp`` (see :func:`lightning_zero.grad_norm`). Collective."""
+        engine = self.engine
+        assert engine is not None
+        unused = engine.unused_everywhere
+        params = [p for p in engine.param_pieces if p.shard.grad is not None and p.name not in unused]
+        device = self.root_device
+        norms = shard_grad_norms(params, norm_type, group=None, device=device)
+        return {p.name: norm.to(p.shard.dtype) for p, norm in zip(params, norms)}
+
     def _clip_grad_by_global_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         assert self.engine is not None
         self.engine.clip_grad_norm_(float(clip_val))
 
-    @contextmanager
     @override
-    def block_backward_sync(self) -> Generator[None, None, None]:
+    def _engine_no_sync(self) -> AbstractContextManager:
         """Non-boundary micro-batches: no communication with ``grad_sync="boundary"``; reduce anyway otherwise."""
         engine = self.engine
         if engine is None or self.grad_sync == "microbatch":
-            yield None
-            return
-        with engine.no_sync() if isinstance(engine, ShardedParams) else engine.reducer.no_sync():
-            yield None
+            return nullcontext()
+        return engine.no_sync() if isinstance(engine, ShardedParams) else engine.reducer.no_sync()
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        if self._engine is not None:
-            self._engine.after_step()  # stage 3 gathers on the next forward instead
+        engine = self.engine
+        if engine is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+        def closure_then_hold() -> Any:  # the optimizer runs the closure (the window's last backward) first
+            output = closure()
+            engine.before_step()
+            return output
+
+        output = super().optimizer_step(optimizer, closure_then_hold, model, **kwargs)
+        engine.after_step()  # stages 1 and 2 all-gather the updated shards; stage 3 gathers on the next forward
         return output
 
     def _forward_only(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -334,11 +420,14 @@ class ZeroStrategy(ScratchParallelStrategy):
         param_groups = meta.pop("optimizer_param_groups", [])
         if params is not None:
             sp_state.load_model_state_dict(params, model_state)
-        if "optimizer_0" in tensors:
+        if with_optimizer and param_groups:
+            # A stateless optimizer (SGD without momentum) saves no tensor, but its hyper-parameters (the LR a
+            # scheduler has moved) are in meta.pt and must come back all the same.
+            optimizer_state = tensors.get("optimizer_0", {"state": {}})
             if params is not None:
-                sp_state.load_optimizer_state_dict(params, tensors["optimizer_0"], param_groups[0])
+                sp_state.load_optimizer_state_dict(params, optimizer_state, param_groups[0])
             else:
-                engine.load_sharded_state_dict(tensors["optimizer_0"], param_groups[0])
+                engine.load_sharded_state_dict(optimizer_state, param_groups[0])
         return meta
 
     @override
@@ -355,14 +444,29 @@ class ZeroStrategy(ScratchParallelStrategy):
         if self.stage != 3:
             if self._engine is not None:
                 self._engine.remove()  # the model is whole again; only the reducer's hooks go
+            self._revert_layer_sync()
             return super().teardown()
-        # Stage 3 keeps the model sharded where it is, hooks included, so ``trainer.test`` or a forward after fit (on
-        # every rank) gathers as usual; Lightning's move of the model to the CPU would allocate every parameter.
+        # Stage 3 ([Note: reading sharded parameters] in lightning_zero/sharded_params.py): the full weights go back
+        # into the module on the CPU, as Lightning's ddp leaves them, when they fit there. Not after an error: the
+        # gather is collective, and the rank that failed may be the only one here.
+        params, trainer = self._params, self.lightning_module._trainer if self.lightning_module is not None else None
+        succeeded = trainer is not None and trainer.state.status == TrainerStatus.RUNNING
+        if params is not None and not params.released and succeeded and self._release_after_fit(params.full_nbytes):
+            params.release(torch.device("cpu"))
+            self._revert_layer_sync()
+            return super().teardown()
+        # Otherwise the model stays sharded where it is, hooks included, so ``trainer.test`` or a forward after fit
+        # (on every rank) gathers as usual; Lightning's move of the model to the CPU would allocate every parameter.
         assert self.cluster_environment is not None and self.accelerator is not None
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
         self.checkpoint_io.teardown()
+
+    def _release_after_fit(self, nbytes: int) -> bool:
+        if self.model_init == "meta":
+            return False
+        return self.model_init == "full" or fits_in_memory(nbytes, torch.device("cpu"), self.num_processes)
 
     @classmethod
     @override

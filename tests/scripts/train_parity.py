@@ -23,12 +23,12 @@ from tests.helpers.parity import ParityConfig, fit_lightning  # noqa: E402
 
 
 class _RankRecorder(L.Callback):
-    """Remembers the global rank Lightning assigned to this process."""
+    """Remembers the global rank Lightning assigned to this process, and its strategy."""
 
     global_rank: int | None = None
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.global_rank = trainer.global_rank
+        self.global_rank, self.strategy = trainer.global_rank, trainer.strategy
 
 
 class _FailOnPurpose(L.Callback):
@@ -54,7 +54,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, required=True, help="where global rank 0 saves the final parameters")
     parser.add_argument("--fail-rank", type=int, default=None, help="this global rank raises at --fail-step")
     parser.add_argument("--fail-step", type=int, default=2)
+    parser.add_argument(
+        "--check-children",
+        action="store_true",
+        help="rank 0 of the popen launcher waits for the ranks it started and exits 3 if one did not exit 0",
+    )
     return parser.parse_args(argv)
+
+
+def _wait_for_children(trainer_strategy: object) -> None:
+    launcher = getattr(trainer_strategy, "launcher", None)
+    codes = [proc.wait(timeout=120) for proc in getattr(launcher, "procs", [])]
+    if any(code != 0 for code in codes):
+        print(f"child ranks exited with {codes}", flush=True)
+        sys.exit(3)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -68,13 +81,14 @@ def main(argv: list[str] | None = None) -> None:
         callbacks.append(_FailOnPurpose(args.fail_rank, args.fail_step))
     params = fit_lightning(config, args.strategy, devices=args.devices, num_nodes=args.num_nodes, callbacks=callbacks)
     rank = recorder.global_rank
+    if rank is None and args.strategy.endswith("_spawn"):  # the callbacks ran in the spawned workers
+        rank = 0
     assert rank is not None, "on_fit_end never ran"
     out = args.out if rank == 0 else args.out.with_name(f"{args.out.name}.rank{rank}")
     torch.save(params, out)
-    # A gloo group still alive at interpreter exit was seen to abort a rank now and then under load ("terminate
-    # called without an active exception", SIGABRT) after a successful fit.
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    # The process group stays alive: the strategy tears it down at exit (lightning_zero/strategies/base.py).
+    if args.check_children and rank == 0:
+        _wait_for_children(recorder.strategy)
 
 
 if __name__ == "__main__":

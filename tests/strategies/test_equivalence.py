@@ -1,0 +1,447 @@
+"""Drop-in equivalence with Lightning's ``ddp`` on real LightningModules (the contract), for every strategy of ours.
+
+One pair of gloo worker processes runs every case under Lightning's ``ddp`` and under each strategy of ours, with the
+same seed; the tests compare what a user sees: logged metrics, ``module.state_dict()`` after ``fit`` on every rank
+(weights and buffers, read without any gathering of ours), the LR and ``global_step`` after a resume, gradient norms.
+Where Lightning's ``ddp`` cannot run the case on CPU (``sync_batchnorm``) or gets it wrong (``BackboneFinetuning``:
+its ranks drift apart), the reference is one Lightning process fed the same global batches
+(:class:`tests.helpers.equivalence.GlobalBatchSampler`).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import BackboneFinetuning, ModelCheckpoint
+from lightning.pytorch.demos import Transformer
+from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_zero
+from tests.helpers.equivalence import (
+    OURS,
+    GlobalBatchSampler,
+    Recorder,
+    make_strategy,
+    max_diff,
+    state_of,
+    trainer,
+)
+from tests.helpers.parity import ParityConfig, loss_fn, make_net, train_loader
+from tests.helpers.workers import run_workers
+
+TOLERANCE = 1e-5
+SEED = 7
+WORLD = 2
+BATCH = 4  # per rank
+DATASET = WORLD * BATCH * 8  # 8 batches per rank and epoch
+
+
+def _data(n: int = DATASET, seed: int = 1234) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    return TensorDataset(torch.randn(n, 6, generator=g), torch.randn(n, 1, generator=g))
+
+
+def _loader(dataset=None, batch_size: int = BATCH) -> DataLoader:
+    return DataLoader(dataset if dataset is not None else _data(), batch_size=batch_size)
+
+
+# ---------------------------------------------------------------- the modules
+class BatchNormModule(L.LightningModule):
+    """BatchNorm running statistics (buffers), a validation loop that reads them, SGD with momentum."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 1))
+
+    def training_step(self, batch, batch_idx):
+        loss = F.mse_loss(self.net(batch[0]), batch[1])
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", F.mse_loss(self.net(batch[0]), batch[1]), sync_dist=True)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+class Branchy(nn.Module):
+    """``b`` runs only where asked (rank 0 below); ``never`` runs nowhere."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk, self.a, self.b, self.never = (nn.Linear(6, 6) for _ in range(4))
+
+    def forward(self, x: torch.Tensor, use_b: bool) -> torch.Tensor:
+        h = torch.tanh(self.trunk(x))
+        h = h + self.a(h)
+        return h + self.b(h) if use_b else h
+
+
+class UnusedModule(L.LightningModule):
+    """Rank-dependent unused parameters (``find_unused_parameters=True``), AdamW with weight decay (so a zero gradient
+    and no gradient differ), gradient norms logged through :func:`lightning_zero.grad_norm`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Branchy(), Branchy()])
+        self.head = nn.Linear(6, 1)
+        self.norms: list[dict[str, float]] = []
+
+    def training_step(self, batch, batch_idx):
+        h = batch[0]
+        for block in self.blocks:
+            h = block(h, use_b=self.global_rank == 0)
+        loss = F.mse_loss(self.head(h), batch[1])
+        self.log("train_loss", loss)
+        return loss
+
+    def on_before_optimizer_step(self, optimizer):
+        self.norms.append({k: float(v) for k, v in lightning_zero.grad_norm(self, 2).items()})
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=0.05, weight_decay=0.1)
+
+
+class TransformerModule(L.LightningModule):
+    """Lightning's demo ``Transformer`` (``nn.Transformer`` xavier-initialises its weights after its children exist;
+    ``MultiheadAttention`` zeroes its output bias), built in ``configure_model``, with dropout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model: nn.Module | None = None
+        self.norms: list[dict[str, float]] = []
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            self.model = Transformer(vocab_size=16, ninp=8, nhead=2, nhid=16, nlayers=1, dropout=0.1)
+
+    def training_step(self, batch, batch_idx):
+        inputs, target = batch
+        loss = F.nll_loss(self.model(inputs, target), target.reshape(-1))
+        self.log("train_loss", loss)
+        return loss
+
+    def on_before_optimizer_step(self, optimizer):
+        self.norms.append({k: float(v) for k, v in lightning_zero.grad_norm(self, 2).items()})
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _tokens() -> TensorDataset:
+    g = torch.Generator().manual_seed(99)
+    tokens = torch.randint(0, 16, (DATASET, 7), generator=g)
+    return TensorDataset(tokens[:, :-1], tokens[:, 1:])
+
+
+class CompiledGPT(L.LightningModule):
+    """The tied-embedding GPT of the parity tests with ``torch.compile`` per block (or around the whole net)."""
+
+    def __init__(self, whole: bool = False) -> None:
+        super().__init__()
+        self.whole, self.net = whole, None
+
+    def configure_model(self) -> None:
+        if self.net is not None:
+            return
+        self.net = make_net("gpt")
+        if self.whole:
+            self.net = torch.compile(self.net)
+            return
+        for i, block in enumerate(self.net.blocks):
+            self.net.blocks[i] = torch.compile(block)
+
+    def training_step(self, batch, batch_idx):
+        loss = loss_fn(self.net, *batch)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=0.01)
+
+
+class ResumeModule(BoringModel):
+    """Lightning's ``BoringModel`` as it is (stateless SGD, ``StepLR``), on less data."""
+
+    def train_dataloader(self):
+        return DataLoader(RandomDataset(32, 32), batch_size=2)
+
+    def val_dataloader(self):
+        return DataLoader(RandomDataset(32, 32), batch_size=2)
+
+
+class FinetuneModule(L.LightningModule):
+    """A backbone unfrozen at epoch 1 by ``BackboneFinetuning`` (which adds it to the optimizer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.backbone = nn.Sequential(nn.Linear(6, 8), nn.Tanh())
+        self.head = nn.Linear(8, 1)
+
+    def training_step(self, batch, batch_idx):
+        return F.mse_loss(self.head(self.backbone(batch[0])), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(filter(lambda p: p.requires_grad, self.parameters()), lr=0.1)
+
+
+# ---------------------------------------------------------------- the cases (inside the workers)
+def _result(module: nn.Module, fit: L.Trainer, recorder: Recorder, **extra) -> dict:
+    return {
+        "state": state_of(module),
+        "steps": recorder.steps,
+        "val": recorder.val,
+        "global_step": fit.global_step,
+        "norms": getattr(module, "norms", []),
+        **extra,
+    }
+
+
+def case_batchnorm(name: str, tmp: Path) -> dict:
+    L.seed_everything(SEED, verbose=False)
+    module, recorder = BatchNormModule(), Recorder()
+    fit = trainer(
+        make_strategy(name), max_epochs=2, accumulate_grad_batches=3, limit_val_batches=2, callbacks=[recorder]
+    )
+    fit.fit(module, _loader(), _loader())
+    return _result(module, fit, recorder)
+
+
+def case_unused(name: str, tmp: Path) -> dict:
+    L.seed_everything(SEED, verbose=False)
+    module, recorder = UnusedModule(), Recorder()
+    strategy = make_strategy(name, find_unused_parameters=True)
+    fit = trainer(strategy, max_epochs=1, accumulate_grad_batches=2, gradient_clip_val=0.5, callbacks=[recorder])
+    fit.fit(module, _loader())
+    return _result(module, fit, recorder)
+
+
+def case_transformer(name: str, tmp: Path) -> dict:
+    L.seed_everything(SEED, verbose=False)
+    module, recorder = TransformerModule(), Recorder()
+    fit = trainer(make_strategy(name), max_epochs=1, limit_train_batches=4, callbacks=[recorder])
+    fit.fit(module, _loader(_tokens()))
+    return _result(module, fit, recorder)
+
+
+def case_compile(name: str, tmp: Path) -> dict:
+    L.seed_everything(SEED, verbose=False)
+    module, recorder = CompiledGPT(), Recorder()
+    fit = trainer(make_strategy(name), max_epochs=1, callbacks=[recorder])
+    fit.fit(module, train_loader(ParityConfig(model="gpt", batches_per_rank=4)))
+    return _result(module, fit, recorder)
+
+
+def case_compile_whole(name: str, tmp: Path) -> dict:
+    try:
+        trainer(make_strategy(name), max_epochs=1).fit(CompiledGPT(whole=True), train_loader(ParityConfig(model="gpt")))
+    except ValueError as error:
+        return {"error": str(error)}
+    return {}
+
+
+def case_resume(name: str, tmp: Path) -> dict:
+    directory = tmp / name
+    L.seed_everything(SEED, verbose=False)
+    first = trainer(
+        make_strategy(name),
+        max_epochs=1,
+        limit_train_batches=4,
+        limit_val_batches=2,
+        enable_checkpointing=True,
+        callbacks=[ModelCheckpoint(dirpath=directory, save_last=True)],
+    )
+    first.fit(ResumeModule())
+    module, recorder = ResumeModule(), Recorder()
+    resumed = trainer(
+        make_strategy(name),
+        max_epochs=3,
+        limit_train_batches=4,
+        limit_val_batches=2,
+        enable_checkpointing=True,
+        callbacks=[ModelCheckpoint(dirpath=directory, save_last=True), recorder],
+    )
+    resumed.fit(module, ckpt_path="last")
+    return _result(
+        module, resumed, recorder, lr_at_start=recorder.lr_at_start, lr_end=resumed.optimizers[0].param_groups[0]["lr"]
+    )
+
+
+def case_sync_batchnorm(name: str, tmp: Path) -> dict:
+    L.seed_everything(SEED, verbose=False)
+    module, recorder = BatchNormModule(), Recorder()
+    fit = trainer(
+        make_strategy(name),
+        max_epochs=2,
+        accumulate_grad_batches=3,
+        sync_batchnorm=True,
+        limit_val_batches=2,
+        callbacks=[recorder],
+    )
+    fit.fit(module, _loader(), _loader())
+    converted = type(module.net[1]).__name__
+    return _result(module, fit, recorder, bn_class_after_fit=converted)
+
+
+def case_finetuning(name: str, tmp: Path) -> dict:
+    L.seed_everything(SEED, verbose=False)
+    module = FinetuneModule()
+    fit = trainer(make_strategy(name), max_epochs=2, callbacks=[BackboneFinetuning(unfreeze_backbone_at_epoch=1)])
+    try:
+        fit.fit(module, _loader())
+    except (RuntimeError, ValueError) as error:
+        return {"error": str(error)}
+    return {"state": state_of(module)}
+
+
+PEER_CASES = {
+    "batchnorm": case_batchnorm,
+    "unused": case_unused,
+    "transformer": case_transformer,
+    "resume": case_resume,
+}
+"""Cases compared with Lightning's ``ddp`` (``find_unused_parameters=True`` for ``unused``)."""
+REFERENCE_CASES = {"sync_batchnorm": case_sync_batchnorm, "finetuning": case_finetuning}
+"""Cases compared with the single-process reference."""
+
+
+def _all_cases(tmp: str) -> dict:
+    torch.set_num_threads(1)
+    out: dict = {}
+    for case, run in PEER_CASES.items():
+        for name in ("ddp", *OURS):
+            out[case, name] = run(name, Path(tmp))
+    for case, run in REFERENCE_CASES.items():
+        for name in ("ddp", *OURS) if case == "finetuning" else OURS:
+            out[case, name] = run(name, Path(tmp))
+    for name in ("ddp", *OURS):  # compiled last: the first compile of each block takes seconds, later fits reuse it
+        out["compile", name] = case_compile(name, Path(tmp))
+    out["compile_whole", "zero3_scratch"] = case_compile_whole("zero3_scratch", Path(tmp))
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return run_workers(_all_cases, WORLD, str(tmp_path_factory.mktemp("equivalence")), timeout=600)
+
+
+def _reference(make_module: type[L.LightningModule], epochs: int, **kwargs) -> L.LightningModule:
+    """One Lightning process fed the global batches of ``WORLD`` ranks (see the module docstring)."""
+    L.seed_everything(SEED, verbose=False)
+    module = make_module()
+    sampler = GlobalBatchSampler(DATASET, WORLD, BATCH, seed=SEED)
+    loader = DataLoader(_data(), batch_sampler=sampler)
+    fit = trainer("auto", devices=1, max_epochs=epochs, use_distributed_sampler=False, **kwargs)
+    fit.fit(module, loader)
+    return module
+
+
+# ---------------------------------------------------------------- the tests
+def _assert_metrics_close(ours: list[dict], peer: list[dict], tolerance: float) -> None:
+    assert len(ours) == len(peer)
+    for mine, theirs in zip(ours, peer):
+        assert mine.keys() == theirs.keys()
+        for key in theirs:
+            assert math.isclose(mine[key], theirs[key], rel_tol=0, abs_tol=tolerance), (key, mine[key], theirs[key])
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("case", list(PEER_CASES))
+@pytest.mark.parametrize("name", OURS)
+def test_same_as_lightning_ddp(runs, case, name):
+    """Weights and buffers on every rank, logged metrics per step and per validation, global step: as ``ddp``."""
+    for rank in range(WORLD):
+        ours, peer = runs[rank][case, name], runs[rank][case, "ddp"]
+        assert max_diff(ours["state"], peer["state"]) <= TOLERANCE, rank
+        assert ours["global_step"] == peer["global_step"]
+        _assert_metrics_close(ours["steps"], peer["steps"], TOLERANCE)
+        if peer["val"]:
+            _assert_metrics_close(ours["val"], peer["val"], TOLERANCE)
+
+
+@pytest.mark.timeout(900)
+def test_the_peer_cases_discriminate(runs):
+    """The cases exercise what they claim: ``ddp``'s ranks end with rank 0's buffers and differ in the parameters
+    ``b`` that only rank 0 uses from a run where nothing is averaged, the resumed LR is not the initial one."""
+    for case in ("batchnorm", "unused", "transformer"):
+        assert all("train_loss" in step for step in runs[0][case, "ddp"]["steps"])
+    assert len(runs[0]["batchnorm", "ddp"]["val"]) == 2 and len(runs[0]["transformer", "ddp"]["norms"]) == 4
+    bn = [runs[rank]["batchnorm", "ddp"]["state"] for rank in range(WORLD)]
+    assert max_diff(bn[0], bn[1]) == 0.0  # rank 0's buffers everywhere, after the last validation
+    assert bn[0]["net.1.running_mean"].abs().max() > 1e-3
+    unused = runs[0]["unused", "ddp"]
+    assert unused["state"]["blocks.0.never.weight"].abs().max() > 0  # untouched by weight decay: not zeroed either
+    assert not any("never" in key for key in unused["norms"][0]) and any(".b." in key for key in unused["norms"][0])
+    resume = runs[0]["resume", "ddp"]
+    assert resume["lr_at_start"] == pytest.approx(0.01) and resume["global_step"] == 12
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", OURS)
+def test_torch_compile_per_block(runs, name):
+    """Blocks compiled in ``configure_model``: ``ddp``'s weights and losses within 1e-4 under every strategy; under
+    ZeRO-3 a compile around the units is refused with the way out."""
+    for rank in range(WORLD):
+        ours, peer = runs[rank]["compile", name], runs[rank]["compile", "ddp"]
+        assert max_diff(ours["state"], peer["state"]) <= 1e-4
+        _assert_metrics_close(ours["steps"], peer["steps"], 1e-4)
+    assert len(runs[0]["compile", "ddp"]["steps"]) == 4
+    assert "block.compile()" in runs[0]["compile_whole", "zero3_scratch"]["error"]
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", ["zero1_scratch", "zero2_scratch", "zero3_scratch"])
+def test_resume_restores_the_lr_of_a_stateless_optimizer(runs, name):
+    for rank in range(WORLD):
+        ours, peer = runs[rank]["resume", name], runs[rank]["resume", "ddp"]
+        assert ours["lr_at_start"] == peer["lr_at_start"] == pytest.approx(0.01)
+        assert ours["lr_end"] == peer["lr_end"]
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", OURS)
+def test_gradient_norms_as_lightning_grad_norm_under_ddp(runs, name):
+    """``lightning_zero.grad_norm`` under every strategy gives what ``grad_norm(self, 2)`` gives under ``ddp``."""
+    for case in ("unused", "transformer"):
+        for rank in range(WORLD):
+            ours, peer = runs[rank][case, name]["norms"], runs[rank][case, "ddp"]["norms"]
+            _assert_metrics_close(ours, peer, TOLERANCE)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", OURS)
+def test_sync_batchnorm_normalises_over_the_global_batch(runs, name):
+    """``sync_batchnorm=True`` (which Lightning's ``ddp`` refuses on CPU) equals one process normalising the global
+    batch: weights and running statistics, on every rank; the layers get their class back after the fit."""
+    reference = state_of(_reference(BatchNormModule, epochs=2, accumulate_grad_batches=3))
+    for rank in range(WORLD):
+        ours = runs[rank]["sync_batchnorm", name]
+        assert max_diff(ours["state"], reference) <= TOLERANCE, rank
+        assert ours["bn_class_after_fit"] == "BatchNorm1d"
+    assert max_diff(runs[0]["batchnorm", "ddp"]["state"], reference) > 1e-4  # the same fit without sync differs
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", OURS)
+def test_unfreezing_during_the_fit(runs, name):
+    """``BackboneFinetuning``: ``ddp_scratch`` follows the change (it equals the single-process reference, where
+    Lightning's ``ddp`` lets its ranks drift apart); the others refuse it at the first step, naming the parameters."""
+    ddp = [runs[rank]["finetuning", "ddp"]["state"] for rank in range(WORLD)]
+    assert max_diff(ddp[0], ddp[1]) > 1e-4
+    if name != "ddp_scratch":  # ZeRO refuses the callback at setup, robust_ddp_scratch the first step after it
+        error = runs[0]["finetuning", name]["error"]
+        expected = "cannot run ['BackboneFinetuning']" if name.startswith("zero") else "changed requires_grad"
+        assert expected in error and ("backbone.0.weight" in error or name.startswith("zero")), error
+        return
+    reference = state_of(_reference(FinetuneModule, epochs=2, callbacks=[BackboneFinetuning(1)]))
+    for rank in range(WORLD):
+        assert max_diff(runs[rank]["finetuning", name]["state"], reference) <= TOLERANCE
