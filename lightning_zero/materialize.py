@@ -156,8 +156,8 @@ def unreplayed_init(module: nn.Module) -> list[str]:
     and modules with a private ``_reset_parameters`` (``nn.Transformer``, ``nn.MultiheadAttention``)."""
     found = []
     for name, m in module.named_modules():
-        if not any(t.is_meta for t in (*m.parameters(), *m.buffers())):
-            continue
+        if not name or not any(t.is_meta for t in (*m.parameters(), *m.buffers())):
+            continue  # the root (the LightningModule) was built before configure_model created its meta children
         user_class = not type(m).__module__.startswith("torch.") and type(m).__init__ is not nn.Module.__init__
         if hasattr(m, "_reset_parameters") or (user_class and not hasattr(m, "reset_parameters")):
             found.append(f"{name or '<root>'} ({type(m).__name__})")

@@ -45,6 +45,7 @@ from torch import Tensor, nn
 
 from lightning_zero import collectives as comm
 from lightning_zero.bucketing import assign_buckets
+from lightning_zero.unused import unused_error
 
 POOL_SIZE = 2
 """Pool buffers of a transient reducer: one bucket filling while the previous one is reduced."""
@@ -290,12 +291,7 @@ class GradientReducer:
         try:
             unready = [i for i, ready in enumerate(self._ready) if not ready]
             if unready and not self.find_unused_parameters:
-                names = [self._names[i] for i in unready]
-                raise RuntimeError(
-                    f"{len(names)} trainable parameter(s) received no gradient in this backward pass: {names}."
-                    " Make every parameter contribute to the loss, freeze the unused ones (requires_grad=False),"
-                    " or pass find_unused_parameters=True to the strategy."
-                )
+                raise unused_error([self._names[i] for i in unready])
             if self.find_unused_parameters:
                 # Every rank runs this, used or not, so the collective sequence stays identical across ranks.
                 # A parameter "has a gradient" in this window as in single-process training: it was used, or it

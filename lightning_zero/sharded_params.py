@@ -52,11 +52,12 @@ from torch.utils._pytree import tree_flatten
 
 from lightning_zero import collectives as comm
 from lightning_zero.gather_order import GatherOrder
+from lightning_zero.grad_norm import clip_grad_norm_
 from lightning_zero.materialize import build_meta_modules, load_real_tensors
 from lightning_zero.segments import Segment, Unit, UnitState
-from lightning_zero.sharded_optimizer import GRAD_SYNC_MODES, check_in_optimizer, clip_grad_norm_
+from lightning_zero.sharded_optimizer import GRAD_SYNC_MODES, check_in_optimizer
 from lightning_zero.units import ROOT, check_compiled, plan_units
-from lightning_zero.unused import HeldPieces, ParamPieces, param_pieces
+from lightning_zero.unused import HeldPieces, ParamPieces, UsedParams, param_pieces, unused_error
 
 FROZEN, TRAINABLE = "frozen", "trainable"
 """Segment keys before :meth:`ShardedParams.attach_optimizer` (after it, trainable keys are param group indices)."""
@@ -135,10 +136,7 @@ class ShardedParams:
         self._hooks += [m.register_state_dict_pre_hook(self._check_readable) for m in owners.values()]
         # [Note: unused parameters]
         self.find_unused_parameters = find_unused_parameters
-        self._trainable = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
-        self._pass_used: set[int] = set()  # ids of parameters with a gradient in this backward pass
-        self._window_used: set[int] = set()  # ... in this accumulation window
-        self.unused_everywhere: set[str] = set()  # names: no gradient on any rank in the last synchronised window
+        self._used = UsedParams([(name, p) for name, p in module.named_parameters() if p.requires_grad])
         self._reduce_order = [u for u in reversed(self.units) if u.expected]
         self._next_reduce = 0
         self._held: HeldPieces | None = None
@@ -310,8 +308,7 @@ class ShardedParams:
             region.copy_(p.grad.reshape(-1))
         segment.filled[i] = True
         p.grad = None
-        self._pass_used.add(id(p))
-        self._window_used.add(id(p))
+        self._used.mark(p)
         unit.arrived += 1
         if unit.arrived == unit.expected:
             self._unit_done(unit)
@@ -375,26 +372,22 @@ class ShardedParams:
     def _end_backward(self) -> None:
         try:
             sync = self.require_backward_grad_sync
-            unused = [name for name, p in self._trainable if id(p) not in self._pass_used]
+            unused = self._used.unused_in_pass()
             if sync and unused and not self.find_unused_parameters:
-                raise RuntimeError(
-                    f"{len(unused)} trainable parameter(s) received no gradient in this backward pass: {unused}."
-                    " Make every parameter contribute to the loss, freeze the unused ones (requires_grad=False),"
-                    " or pass find_unused_parameters=True to the strategy."
-                )
+                raise unused_error(unused)
             for unit in self.units:  # units with unused trainable parameters: the rest reduced as zeros
                 if unit.arrived > 0:
                     self._unit_done(unit)
             if sync and self.find_unused_parameters:
                 self._reduce_in_order(finish=True)
-                self._find_unused_everywhere()
+                self._used.find_unused_everywhere(self.device, self.group)
             while self._pending:
                 self._finish_reduction()
         finally:
             for unit in self.units:
                 unit.arrived, unit.ready = 0, False
             self._next_reduce = 0
-            self._pass_used.clear()
+            self._used.end_pass()
             self._callback_queued = False
             self._cache.clear()  # nothing unsharded survives the step
             self._free_all()
@@ -406,10 +399,10 @@ class ShardedParams:
     # order, roughly the order backward finishes them): a unit whose turn has not come waits with its unsharded
     # gradient. After the last reduction one small all-reduce finds the parameters no rank used in the window; the
     # optimizer step leaves those untouched (lightning_zero/unused.py), as torch DDP does.
-    def _find_unused_everywhere(self) -> None:
-        used = torch.tensor([id(p) in self._window_used for _, p in self._trainable], dtype=torch.int32)
-        comm.all_reduce(used.to(self.device), "max", group=self.group, tag="unused_map")
-        self.unused_everywhere = {name for (name, _), flag in zip(self._trainable, used.tolist()) if not flag}
+    @property
+    def unused_everywhere(self) -> set[str]:
+        """Parameters no rank used in the last synchronised window (with ``find_unused_parameters``)."""
+        return self._used.unused_everywhere
 
     @property
     def param_pieces(self) -> list[ParamPieces]:
@@ -426,7 +419,7 @@ class ShardedParams:
         """After the optimizer's update: put held pieces back; the accumulation window ends."""
         if self._held is not None:
             self._held.restore()
-        self._window_used.clear()
+        self._used.end_window()
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -497,22 +490,16 @@ class ShardedParams:
 
     # ------------------------------------------------------------ outside a step
     # [Note: reading sharded parameters] Outside a step a module parameter is a placeholder that reads as zeros. So a
-    # fit that ends hands the full weights back (release(), when they fit in memory), and until then a state_dict()
-    # of a module holding placeholders raises instead of returning zeros.
+    # fit that ends hands the full weights back (sharded_params_state.release, when they fit in memory), and until
+    # then a state_dict() of a module holding placeholders raises instead of returning zeros.
     @property
     def full_nbytes(self) -> int:
         """Bytes of every parameter, unsharded."""
         return sum(s.layout.numel * s.full.element_size() for s in self.segments)
 
-    def release(self, device: torch.device) -> None:
-        """Gather every parameter into a tensor of its own on ``device`` and give the module back: hooks removed, no
-        longer registered as sharded (a later fit shards it anew from its weights then). The shards and the optimizer
-        stay usable for a checkpoint. Collective."""
-        for s in self.segments:
-            flat = torch.empty(s.layout.padded_numel, dtype=s.shard.dtype, device=self.device)
-            comm.all_gather(flat, s.shard.detach(), group=self.group, tag="release")
-            for p, offset in zip(s.params, s.layout.offsets):
-                p.data = flat.narrow(0, offset, p.numel()).view(p.shape).to(device, copy=True)
+    def detach_from_module(self) -> None:
+        """The module holds its full weights again (``sharded_params_state.release``): hooks removed, no longer
+        registered as sharded. The shards and the optimizer stay usable for a checkpoint."""
         self.remove()
         _ENGINES.pop(self.module, None)
         self.released = True

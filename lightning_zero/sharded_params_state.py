@@ -87,6 +87,15 @@ def model_state_dict(engine: ShardedParams, sharded: bool) -> dict[str, Any]:
     return {k: values.get(id(t), t.detach()) for k, t in state.items()}
 
 
+def release(engine: ShardedParams, device: torch.device) -> None:
+    """Gather every parameter into a tensor of its own on ``device`` and give the module back (one segment at a time;
+    [Note: reading sharded parameters] in ``lightning_zero/sharded_params.py``). Collective."""
+    for segment in engine.segments:
+        for p, full in zip(segment.params, _per_param(engine, segment, segment.shard)):
+            p.data = full.to(device, copy=True)
+    engine.detach_from_module()
+
+
 def model_template(engine: ShardedParams) -> dict[str, Any]:
     """What DCP loads a sharded model state into: DTensors for parameters, the module's buffers in place."""
     mesh = _mesh(engine)

@@ -26,6 +26,8 @@ import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch import Tensor
 
+from lightning_zero.unused import UsedParams
+
 
 def split_batch(batch: Any, k: int) -> list[Any]:
     """Split every tensor of ``batch`` into ``k`` chunks along dim 0 (sizes differ by at most one); other leaves
@@ -64,9 +66,12 @@ class WorkerGradients:
         params: the trainable parameters, in registration order (one dtype and device).
         workers: ``k``, the workers of this rank.
         momentum: worker momentum ``beta`` in ``[0, 1)``; 0 keeps no momentum rows.
+        names: the parameters' names, for messages.
     """
 
-    def __init__(self, params: Sequence[Tensor], workers: int, momentum: float = 0.0) -> None:
+    def __init__(
+        self, params: Sequence[Tensor], workers: int, momentum: float = 0.0, names: Sequence[str] | None = None
+    ) -> None:
         self.params = list(params)
         if not self.params:
             raise ValueError("the module has no trainable parameters to aggregate")
@@ -79,11 +84,9 @@ class WorkerGradients:
         self.momentum = momentum
         self.momentum_rows = torch.zeros_like(self.rows) if momentum > 0 else None
         self._views = [self._views_of(row) for row in self.rows]
-        self.used = [False] * len(self.params)  # got a gradient in this accumulation window (any worker)
-        self._hooks = [
-            p.register_post_accumulate_grad_hook(lambda _, i=i: self.used.__setitem__(i, True))
-            for i, p in enumerate(self.params)
-        ]
+        # Which parameters got a gradient in the accumulation window (any worker): find_unused_parameters.
+        self.used = UsedParams(list(zip(names or [str(i) for i in range(len(self.params))], self.params)))
+        self._hooks = [p.register_post_accumulate_grad_hook(self.used.mark) for p in self.params]
 
     def remove(self) -> None:
         """Remove the autograd hooks that track which parameters got a gradient."""
@@ -123,7 +126,7 @@ class WorkerGradients:
             return self.rows
         return self.momentum_rows.mul_(self.momentum).add_(self.rows, alpha=1 - self.momentum)
 
-    def set_grads(self, aggregate: Tensor, skip: Sequence[bool] | None = None) -> None:
-        """Bind every ``p.grad`` to its slice of the ``(d,)`` aggregate (``None`` where ``skip`` says so)."""
-        for i, (p, view) in enumerate(zip(self.params, self._views_of(aggregate.contiguous()))):
-            p.grad = None if skip is not None and skip[i] else view
+    def set_grads(self, aggregate: Tensor, skip: set[str] = frozenset()) -> None:
+        """Bind every ``p.grad`` to its slice of the ``(d,)`` aggregate (``None`` for the names in ``skip``)."""
+        for (name, p), view in zip(self.used.named, self._views_of(aggregate.contiguous())):
+            p.grad = None if name in skip else view

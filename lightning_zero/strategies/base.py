@@ -186,6 +186,7 @@ class ScratchParallelStrategy(ParallelStrategy):
         self.broadcast_buffers = broadcast_buffers
         self._backward_sync_blocked = False
         self._forward_param_sync = True  # [Note: buffer broadcast]
+        self._trainable_ids: set[int] | None = None  # the parameters the gradient engine was set up for
 
     # ------------------------------------------------------------ topology
     @property
@@ -281,7 +282,8 @@ class ScratchParallelStrategy(ParallelStrategy):
 
     def _apply_layer_sync(self, trainer: pl.Trainer) -> None:
         """``sync_batchnorm=True`` (fit only, as ``ddp``): Lightning's plugin is swapped for ours, which runs on
-        CPU and through our collectives; another ``LayerSync`` plugin is applied as given."""
+        CPU and through our collectives; another ``LayerSync`` plugin is applied as given. Converted layers stay as
+        they are (a ZeRO-3 model kept sharded from an earlier fit keeps its hooks)."""
         self._forward_param_sync = True  # a fresh DDP wrapper starts with the flag set
         if isinstance(self._layer_sync, TorchSyncBatchNorm):
             self._layer_sync = ScratchSyncBatchNorm()
@@ -311,6 +313,21 @@ class ScratchParallelStrategy(ParallelStrategy):
         with self._buffer_sync():
             return super().training_step(*args, **kwargs)
 
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._buffer_sync():
+            return super().validation_step(*args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._buffer_sync():
+            return super().test_step(*args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._buffer_sync():
+            return super().predict_step(*args, **kwargs)
+
     # ------------------------------------------------------------ parameters unfrozen (or frozen) during a fit
     def _record_trainable(self) -> None:
         """At setup: the parameters the gradient engine was built for."""
@@ -319,7 +336,7 @@ class ScratchParallelStrategy(ParallelStrategy):
 
     def _check_trainable(self) -> None:
         """Before each training step: has a callback (``BackboneFinetuning``) or the user changed ``requires_grad``?"""
-        module, recorded = self.lightning_module, getattr(self, "_trainable_ids", None)
+        module, recorded = self.lightning_module, self._trainable_ids
         if module is None or recorded is None:
             return
         changed = [n for n, p in module.named_parameters() if p.requires_grad != (id(p) in recorded)]
@@ -335,21 +352,6 @@ class ScratchParallelStrategy(ParallelStrategy):
             " start (requires_grad=True, in their own optimizer param group with lr=0 until they should train), or"
             " use ddp_scratch, which follows such changes."
         )
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._buffer_sync():
-            return super().validation_step(*args, **kwargs)
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._buffer_sync():
-            return super().test_step(*args, **kwargs)
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._buffer_sync():
-            return super().predict_step(*args, **kwargs)
 
     # ------------------------------------------------------------ gradient accumulation
     @contextmanager

@@ -41,6 +41,7 @@ from lightning_zero.robust.aggregation import AggregationResult, RobustAggregato
 from lightning_zero.robust.attacks import flip_labels
 from lightning_zero.robust.workers import WorkerGradients, split_batch
 from lightning_zero.strategies.base import ScratchParallelStrategy
+from lightning_zero.unused import unused_error
 
 CHECKPOINT_KEY = "robust_aggregation"
 """The checkpoint entry holding the worker momentum (all ``n`` rows), the rule's centre and the generator state."""
@@ -126,8 +127,9 @@ class RobustDDPStrategy(ScratchParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             if not self.lightning_module.automatic_optimization:
                 raise ValueError("robust_ddp_scratch needs automatic optimization (automatic_optimization=True)")
-            params = [p for p in self.model.parameters() if p.requires_grad]
-            self._grads = WorkerGradients(params, self.workers_per_rank, self.worker_momentum)
+            named = [(name, p) for name, p in self.model.named_parameters() if p.requires_grad]
+            params, names = [p for _, p in named], [name for name, _ in named]
+            self._grads = WorkerGradients(params, self.workers_per_rank, self.worker_momentum, names)
             self._record_trainable()
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
@@ -176,7 +178,7 @@ class RobustDDPStrategy(ScratchParallelStrategy):
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
         if not self._window_open:
             grads.rows.zero_()
-            grads.used = [False] * len(grads.params)
+            grads.used.end_window()
             self._window_open = True
         # Lightning divides the loss by accumulate_grad_batches; each worker's loss gets the same scale.
         scale = 1.0 / self.lightning_module.trainer.accumulate_grad_batches
@@ -188,25 +190,17 @@ class RobustDDPStrategy(ScratchParallelStrategy):
             self._aggregate()
         return self.precision_plugin.post_backward(closure_loss, module)
 
-    def _unused_everywhere(self) -> list[bool] | None:
+    def _unused_everywhere(self) -> set[str]:
         """Parameters without a gradient in this window: an error, or with ``find_unused_parameters`` their rows
         stay zero and the parameters no rank used get ``p.grad = None`` (as under torch DDP)."""
         grads = self._grads
         assert grads is not None
         if not self.find_unused_parameters:
-            names = [n for n, p in self.lightning_module.named_parameters() if p.requires_grad]
-            unused = [name for name, used in zip(names, grads.used) if not used]
+            unused = grads.used.unused_in_window()
             if unused:
-                raise RuntimeError(
-                    f"{len(unused)} trainable parameter(s) received no gradient in this step: {unused}. Make every"
-                    " parameter contribute to the loss, freeze the unused ones (requires_grad=False), or pass"
-                    " find_unused_parameters=True to the strategy."
-                )
-            return None
-        used = torch.tensor(grads.used, dtype=torch.int32, device=grads.rows.device)
-        if comm.world_size() > 1:
-            comm.all_reduce(used, "max", tag="unused_map")
-        return [not flag for flag in used.tolist()]
+                raise unused_error(unused)
+            return set()
+        return grads.used.find_unused_everywhere(grads.rows.device)
 
     def _gather_rows(self, rows: Tensor, tag: str) -> Tensor:
         """This rank's ``(k, d)`` worker rows -> every worker's ``(n, d)``, in global worker order (one process: the

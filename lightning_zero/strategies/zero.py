@@ -43,6 +43,7 @@ from typing_extensions import override
 
 from lightning_zero import sharded_params_state as sp_state
 from lightning_zero.checkpoint import is_sharded_checkpoint, load_sharded, read_metadata, save_sharded
+from lightning_zero.grad_norm import shard_grad_norms
 from lightning_zero.materialize import (
     MODEL_INIT_MODES,
     ModuleSnapshot,
@@ -50,7 +51,7 @@ from lightning_zero.materialize import (
     meta_nbytes,
     unreplayed_init,
 )
-from lightning_zero.sharded_optimizer import GRAD_SYNC_MODES, ShardedOptimizer, shard_grad_norms
+from lightning_zero.sharded_optimizer import GRAD_SYNC_MODES, ShardedOptimizer
 from lightning_zero.sharded_params import ShardedParams
 from lightning_zero.strategies.base import ScratchParallelStrategy, SpawnLauncher
 
@@ -239,8 +240,7 @@ class ZeroStrategy(ScratchParallelStrategy):
         self.accelerator.setup(trainer)
         self.precision_plugin.convert_module(self.model)
         self._params = ShardedParams.of(self.model)  # a model too big to be gathered after an earlier fit
-        if self._params is None:
-            self._apply_layer_sync(trainer)  # before sharding: the engine hooks the converted modules
+        self._apply_layer_sync(trainer)  # before sharding, so the engine hooks the converted modules
         if self._params is not None and self._params.world_size != self.world_size:
             raise ValueError(
                 f"the model is sharded over {self._params.world_size} ranks by an earlier fit: this run has"
@@ -452,7 +452,7 @@ class ZeroStrategy(ScratchParallelStrategy):
         params, trainer = self._params, self.lightning_module._trainer if self.lightning_module is not None else None
         succeeded = trainer is not None and trainer.state.status == TrainerStatus.RUNNING
         if params is not None and not params.released and succeeded and self._release_after_fit(params.full_nbytes):
-            params.release(torch.device("cpu"))
+            sp_state.release(params, torch.device("cpu"))
             self._revert_layer_sync()
             return super().teardown()
         # Otherwise the model stays sharded where it is, hooks included, so ``trainer.test`` or a forward after fit

@@ -31,21 +31,6 @@ def make_strategy(name: str, **kwargs: Any) -> Any:
     return ZeroStrategy(stage=int(name[4]), **kwargs)
 
 
-def trainer(strategy: Any, devices: int = 2, **kwargs: Any) -> L.Trainer:
-    defaults: dict[str, Any] = dict(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-    )
-    defaults.update(kwargs)
-    return L.Trainer(**defaults)
-
-
 def state_of(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """``module.state_dict()`` as a user reads it after ``fit`` (no gathering of ours), copied."""
     return {k: v.detach().clone() for k, v in module.state_dict().items()}

@@ -161,15 +161,12 @@ class ParityModule(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
-def make_trainer(config: ParityConfig, strategy, **kwargs) -> L.Trainer:
+def quiet_trainer(strategy, devices: int = 2, **kwargs) -> L.Trainer:
+    """A CPU ``Trainer`` without logger, checkpoints, progress bar, summary or sanity check, unless ``kwargs`` say."""
     defaults = dict(
         accelerator="cpu",
-        devices=config.world_size,
+        devices=devices,
         strategy=strategy,
-        max_epochs=config.max_epochs,
-        accumulate_grad_batches=config.accumulate_grad_batches,
-        gradient_clip_val=config.gradient_clip_val,
-        gradient_clip_algorithm="norm",
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -178,6 +175,18 @@ def make_trainer(config: ParityConfig, strategy, **kwargs) -> L.Trainer:
     )
     defaults.update(kwargs)
     return L.Trainer(**defaults)
+
+
+def make_trainer(config: ParityConfig, strategy, **kwargs) -> L.Trainer:
+    defaults = dict(
+        devices=config.world_size,
+        max_epochs=config.max_epochs,
+        accumulate_grad_batches=config.accumulate_grad_batches,
+        gradient_clip_val=config.gradient_clip_val,
+        gradient_clip_algorithm="norm",
+    )
+    defaults.update(kwargs)
+    return quiet_trainer(strategy, **defaults)
 
 
 def train_loader(config: ParityConfig) -> DataLoader:

@@ -19,7 +19,7 @@ import lightning as L  # noqa: E402
 import torch  # noqa: E402
 
 import lightning_zero  # noqa: E402, F401  (registers the strategy names)
-from tests.helpers.parity import ParityConfig, fit_lightning  # noqa: E402
+from tests.helpers.parity import ParityConfig, ParityModule, fit_lightning, make_trainer, train_loader  # noqa: E402
 
 
 class _RankRecorder(L.Callback):
@@ -70,6 +70,15 @@ def _wait_for_children(trainer_strategy: object) -> None:
         sys.exit(3)
 
 
+def _fit_spawn(config: ParityConfig, strategy: str, devices: int) -> dict[str, torch.Tensor]:
+    L.seed_everything(config.seed, verbose=False)
+    module = ParityModule(config.lr)
+    trainer = make_trainer(config, strategy, devices=devices)
+    trainer.fit(module, train_loader(config))
+    assert trainer.state.finished, trainer.state
+    return {k: v.detach().clone() for k, v in module.net.state_dict().items()}
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(1)
@@ -79,15 +88,18 @@ def main(argv: list[str] | None = None) -> None:
     callbacks: list[L.Callback] = [recorder]
     if args.fail_rank is not None:
         callbacks.append(_FailOnPurpose(args.fail_rank, args.fail_step))
-    params = fit_lightning(config, args.strategy, devices=args.devices, num_nodes=args.num_nodes, callbacks=callbacks)
-    rank = recorder.global_rank
-    if rank is None and args.strategy.endswith("_spawn"):  # the callbacks ran in the spawned workers
-        rank = 0
+    if args.strategy.endswith("_spawn"):  # this process is the launcher: it gets rank 0's weights back
+        params, rank = _fit_spawn(config, args.strategy, args.devices), 0
+    else:
+        params = fit_lightning(
+            config, args.strategy, devices=args.devices, num_nodes=args.num_nodes, callbacks=callbacks
+        )
+        rank = recorder.global_rank
     assert rank is not None, "on_fit_end never ran"
     out = args.out if rank == 0 else args.out.with_name(f"{args.out.name}.rank{rank}")
     torch.save(params, out)
     # The process group stays alive: the strategy tears it down at exit (lightning_zero/strategies/base.py).
-    if args.check_children and rank == 0:
+    if args.check_children and rank == 0 and not args.strategy.endswith("_spawn"):  # spawn: the launcher checks
         _wait_for_children(recorder.strategy)
 
 

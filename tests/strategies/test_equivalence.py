@@ -11,6 +11,7 @@ its ranks drift apart), the reference is one Lightning process fed the same glob
 from __future__ import annotations
 
 import math
+import warnings
 from pathlib import Path
 
 import lightning as L
@@ -31,9 +32,8 @@ from tests.helpers.equivalence import (
     make_strategy,
     max_diff,
     state_of,
-    trainer,
 )
-from tests.helpers.parity import ParityConfig, loss_fn, make_net, train_loader
+from tests.helpers.parity import ParityConfig, loss_fn, make_net, quiet_trainer, train_loader
 from tests.helpers.workers import run_workers
 
 TOLERANCE = 1e-5
@@ -209,7 +209,7 @@ def _result(module: nn.Module, fit: L.Trainer, recorder: Recorder, **extra) -> d
 def case_batchnorm(name: str, tmp: Path) -> dict:
     L.seed_everything(SEED, verbose=False)
     module, recorder = BatchNormModule(), Recorder()
-    fit = trainer(
+    fit = quiet_trainer(
         make_strategy(name), max_epochs=2, accumulate_grad_batches=3, limit_val_batches=2, callbacks=[recorder]
     )
     fit.fit(module, _loader(), _loader())
@@ -220,7 +220,7 @@ def case_unused(name: str, tmp: Path) -> dict:
     L.seed_everything(SEED, verbose=False)
     module, recorder = UnusedModule(), Recorder()
     strategy = make_strategy(name, find_unused_parameters=True)
-    fit = trainer(strategy, max_epochs=1, accumulate_grad_batches=2, gradient_clip_val=0.5, callbacks=[recorder])
+    fit = quiet_trainer(strategy, max_epochs=1, accumulate_grad_batches=2, gradient_clip_val=0.5, callbacks=[recorder])
     fit.fit(module, _loader())
     return _result(module, fit, recorder)
 
@@ -228,48 +228,65 @@ def case_unused(name: str, tmp: Path) -> dict:
 def case_transformer(name: str, tmp: Path) -> dict:
     L.seed_everything(SEED, verbose=False)
     module, recorder = TransformerModule(), Recorder()
-    fit = trainer(make_strategy(name), max_epochs=1, limit_train_batches=4, callbacks=[recorder])
+    fit = quiet_trainer(make_strategy(name), max_epochs=1, limit_train_batches=4, callbacks=[recorder])
     fit.fit(module, _loader(_tokens()))
     return _result(module, fit, recorder)
+
+
+def case_transformer_meta(name: str, tmp: Path) -> dict:
+    """``model_init="meta"``: only each module's ``reset_parameters()`` is replayed, and a warning says so. The model
+    stays sharded after the fit, and reading it without gathering is refused."""
+    L.seed_everything(SEED, verbose=False)
+    module = TransformerModule()
+    fit = quiet_trainer(make_strategy(name, model_init="meta"), max_epochs=1, limit_train_batches=4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit.fit(module, _loader(_tokens()))
+    try:
+        module.state_dict()
+        refusal = ""
+    except RuntimeError as error:
+        refusal = str(error)
+    with fit.strategy.engine.summon_full_params():
+        state = state_of(module)
+    warned = [str(w.message) for w in caught if "meta device" in str(w.message)]
+    return {"state": state, "warnings": warned, "refusal": refusal}
 
 
 def case_compile(name: str, tmp: Path) -> dict:
     L.seed_everything(SEED, verbose=False)
     module, recorder = CompiledGPT(), Recorder()
-    fit = trainer(make_strategy(name), max_epochs=1, callbacks=[recorder])
+    fit = quiet_trainer(make_strategy(name), max_epochs=1, callbacks=[recorder])
     fit.fit(module, train_loader(ParityConfig(model="gpt", batches_per_rank=4)))
     return _result(module, fit, recorder)
 
 
 def case_compile_whole(name: str, tmp: Path) -> dict:
     try:
-        trainer(make_strategy(name), max_epochs=1).fit(CompiledGPT(whole=True), train_loader(ParityConfig(model="gpt")))
+        quiet_trainer(make_strategy(name), max_epochs=1).fit(
+            CompiledGPT(whole=True), train_loader(ParityConfig(model="gpt"))
+        )
     except ValueError as error:
         return {"error": str(error)}
     return {}
 
 
 def case_resume(name: str, tmp: Path) -> dict:
-    directory = tmp / name
+    def checkpointing_trainer(epochs: int, *callbacks: L.Callback) -> L.Trainer:
+        checkpoint = ModelCheckpoint(dirpath=tmp / name, save_last=True)
+        return quiet_trainer(
+            make_strategy(name),
+            max_epochs=epochs,
+            limit_train_batches=4,
+            limit_val_batches=2,
+            enable_checkpointing=True,
+            callbacks=[checkpoint, *callbacks],
+        )
+
     L.seed_everything(SEED, verbose=False)
-    first = trainer(
-        make_strategy(name),
-        max_epochs=1,
-        limit_train_batches=4,
-        limit_val_batches=2,
-        enable_checkpointing=True,
-        callbacks=[ModelCheckpoint(dirpath=directory, save_last=True)],
-    )
-    first.fit(ResumeModule())
+    checkpointing_trainer(1).fit(ResumeModule())
     module, recorder = ResumeModule(), Recorder()
-    resumed = trainer(
-        make_strategy(name),
-        max_epochs=3,
-        limit_train_batches=4,
-        limit_val_batches=2,
-        enable_checkpointing=True,
-        callbacks=[ModelCheckpoint(dirpath=directory, save_last=True), recorder],
-    )
+    resumed = checkpointing_trainer(3, recorder)
     resumed.fit(module, ckpt_path="last")
     return _result(
         module, resumed, recorder, lr_at_start=recorder.lr_at_start, lr_end=resumed.optimizers[0].param_groups[0]["lr"]
@@ -279,7 +296,7 @@ def case_resume(name: str, tmp: Path) -> dict:
 def case_sync_batchnorm(name: str, tmp: Path) -> dict:
     L.seed_everything(SEED, verbose=False)
     module, recorder = BatchNormModule(), Recorder()
-    fit = trainer(
+    fit = quiet_trainer(
         make_strategy(name),
         max_epochs=2,
         accumulate_grad_batches=3,
@@ -295,7 +312,7 @@ def case_sync_batchnorm(name: str, tmp: Path) -> dict:
 def case_finetuning(name: str, tmp: Path) -> dict:
     L.seed_everything(SEED, verbose=False)
     module = FinetuneModule()
-    fit = trainer(make_strategy(name), max_epochs=2, callbacks=[BackboneFinetuning(unfreeze_backbone_at_epoch=1)])
+    fit = quiet_trainer(make_strategy(name), max_epochs=2, callbacks=[BackboneFinetuning(unfreeze_backbone_at_epoch=1)])
     try:
         fit.fit(module, _loader())
     except (RuntimeError, ValueError) as error:
@@ -326,6 +343,7 @@ def _all_cases(tmp: str) -> dict:
     for name in ("ddp", *OURS):  # compiled last: the first compile of each block takes seconds, later fits reuse it
         out["compile", name] = case_compile(name, Path(tmp))
     out["compile_whole", "zero3_scratch"] = case_compile_whole("zero3_scratch", Path(tmp))
+    out["transformer_meta", "zero3_scratch"] = case_transformer_meta("zero3_scratch", Path(tmp))
     return out
 
 
@@ -340,7 +358,7 @@ def _reference(make_module: type[L.LightningModule], epochs: int, **kwargs) -> L
     module = make_module()
     sampler = GlobalBatchSampler(DATASET, WORLD, BATCH, seed=SEED)
     loader = DataLoader(_data(), batch_sampler=sampler)
-    fit = trainer("auto", devices=1, max_epochs=epochs, use_distributed_sampler=False, **kwargs)
+    fit = quiet_trainer("auto", devices=1, max_epochs=epochs, use_distributed_sampler=False, **kwargs)
     fit.fit(module, loader)
     return module
 
@@ -396,6 +414,19 @@ def test_torch_compile_per_block(runs, name):
         _assert_metrics_close(ours["steps"], peer["steps"], 1e-4)
     assert len(runs[0]["compile", "ddp"]["steps"]) == 4
     assert "block.compile()" in runs[0]["compile_whole", "zero3_scratch"]["error"]
+
+
+@pytest.mark.timeout(900)
+def test_zero3_meta_build_warns_about_the_init_it_cannot_replay(runs):
+    """Why ``model_init="auto"`` builds a model that fits for real: from the meta device only ``reset_parameters()``
+    is replayed, the demo Transformer then starts from other weights than ``ddp``'s, and rank 0 is told which
+    modules' init was skipped (``nn.Transformer`` re-initialises its children with xavier)."""
+    meta, peer = runs[0]["transformer_meta", "zero3_scratch"], runs[0]["transformer", "ddp"]
+    assert max_diff(meta["state"], peer["state"]) > 1e-2
+    (warning,) = meta["warnings"]
+    assert "model.transformer (Transformer)" in warning and "model_init='full'" in warning
+    assert runs[1]["transformer_meta", "zero3_scratch"]["warnings"] == []  # rank 0 only
+    assert "are sharded by zero3_scratch" in meta["refusal"] and "summon_full_params" in meta["refusal"]
 
 
 @pytest.mark.timeout(900)

@@ -32,13 +32,13 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning_zero
 from lightning_zero.collectives import GLOO_SUBSTITUTE_MIN_BYTES
 from tests.helpers.equivalence import OURS, GlobalBatchSampler, make_strategy, state_of
-from tests.helpers.equivalence import trainer as equivalence_trainer
 from tests.helpers.parity import (
     ParityConfig,
     ParityModule,
     fit_lightning,
     make_trainer,
     max_abs_diff,
+    quiet_trainer,
     reference_params,
     train_loader,
 )
@@ -329,11 +329,11 @@ def test_one_device_every_strategy_above_the_gloo_thresholds(dist_env: int, one_
         module = _BigUnits()
         if strategy == "auto":  # the order of Lightning's shuffling DistributedSampler(num_replicas=1, seed=0)
             loader = DataLoader(data, batch_sampler=GlobalBatchSampler(len(data), 1, 4, seed=0))
-            fit = equivalence_trainer("auto", devices=1, max_epochs=1, use_distributed_sampler=False)
+            fit = quiet_trainer("auto", devices=1, max_epochs=1, use_distributed_sampler=False)
         else:
             loader, fit = (
                 DataLoader(data, batch_size=4),
-                equivalence_trainer(make_strategy(name), devices=1, max_epochs=1),
+                quiet_trainer(make_strategy(name), devices=1, max_epochs=1),
             )
         fit.fit(module, loader)
         weights[strategy] = state_of(module)

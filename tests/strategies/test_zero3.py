@@ -1,9 +1,10 @@
 """``zero3_scratch`` on real gloo processes: parity, memory, communication, evaluation loops and bad input.
 
 One set of worker processes per world size runs every fit the tests need; the tests then assert on the parts. Final
-weights are read from the full checkpoint each fit saves (the sharded model holds only placeholders). Most fits build
-the net in ``configure_model``, i.e. on the meta device, so parity also proves that building shard by shard gives the
-weights of a normal build.
+weights are read from the full checkpoint each fit saves. Most fits build the net in ``configure_model`` with
+``model_init="meta"`` (module by module from the meta device: these nets initialise through ``reset_parameters()``
+only), so parity also proves that building shard by shard gives the weights of a normal build; ``"full"`` variants
+build it for real first (the default for a model that fits).
 """
 
 from __future__ import annotations
@@ -40,13 +41,13 @@ TOLERANCE = 1e-5
 
 # (model, grad_sync, accumulate_grad_batches, optimizer, build): AdamW + norm clipping on the MLP for every mode x g,
 # SGD (which notices a gradient off by a constant factor), the tied-weight GPT, a frozen middle layer, a model with a
-# root unit only, and one model built in __init__.
+# root unit only, one model built in __init__; "meta" and "full" are configure_model with that model_init.
 VARIANTS = [("mlp", sync, g, "adamw", "meta") for sync in ("microbatch", "boundary") for g in (1, 3)] + [
     ("mlp", "microbatch", 3, "sgd", "meta"),
     ("gpt", "microbatch", 3, "adamw", "meta"),
-    ("gpt", "boundary", 1, "adamw", "meta"),
+    ("gpt", "boundary", 1, "adamw", "full"),
     ("mlp_frozen", "boundary", 3, "adamw", "meta"),
-    ("two_layer", "microbatch", 1, "adamw", "meta"),
+    ("two_layer", "microbatch", 1, "adamw", "full"),
     ("mlp", "microbatch", 3, "adamw", "init"),
 ]
 
@@ -69,7 +70,7 @@ def _fit(
     import lightning as L
 
     L.seed_everything(config.seed, verbose=False)
-    module = ParityModule(config.lr, config.optimizer, config.model, build_in_configure_model=build == "meta")
+    module = ParityModule(config.lr, config.optimizer, config.model, build_in_configure_model=build != "init")
     trainer = make_trainer(config, strategy, callbacks=list(callbacks), **trainer_kwargs)
     trainer.fit(module, train_loader(config))
     assert trainer.global_step == config.optimizer_steps
@@ -155,7 +156,9 @@ def _all_fits(world_size: int, tmp: str) -> dict:
     for n, variant in enumerate(VARIANTS):
         _, sync, _, _, build = variant
         ckpt = f"{tmp}/parity{n}.ckpt"
-        _fit(_config(world_size, variant), ZeroStrategy(stage=3, grad_sync=sync, state_dict_type="full"), ckpt, build)
+        init = "meta" if build == "meta" else "full"
+        strategy = ZeroStrategy(stage=3, grad_sync=sync, state_dict_type="full", model_init=init)
+        _fit(_config(world_size, variant), strategy, ckpt, build)
         out[variant] = _full_params(ckpt)
     ckpt = f"{tmp}/keep.ckpt"
     strategy = ZeroStrategy(stage=3, reshard_after_forward=False, state_dict_type="full")
