@@ -33,7 +33,7 @@ from tests.helpers.equivalence import (
     max_diff,
     state_of,
 )
-from tests.helpers.parity import ParityConfig, loss_fn, make_net, quiet_trainer, train_loader
+from tests.helpers.parity import ParityConfig, TinyGPT, loss_fn, make_net, quiet_trainer, train_loader
 from tests.helpers.workers import run_workers
 
 TOLERANCE = 1e-5
@@ -136,6 +136,47 @@ class TransformerModule(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
+class InitGPT(TinyGPT):
+    """nanoGPT's initialisation on the tied-embedding GPT: ``self.apply(self._init_weights)`` once the children exist,
+    then a scaled normal init of the residual projections."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():
+            if name.endswith("proj.weight"):
+                nn.init.normal_(p, std=0.02 / math.sqrt(4))
+
+    @staticmethod
+    def _init_weights(m: nn.Module) -> None:
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+
+class InitGPTModule(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net: nn.Module | None = None
+        self.norms: list[dict[str, float]] = []
+
+    def configure_model(self) -> None:
+        if self.net is None:
+            self.net = InitGPT()
+
+    def training_step(self, batch, batch_idx):
+        loss = loss_fn(self.net, *batch)
+        self.log("train_loss", loss)
+        return loss
+
+    def on_before_optimizer_step(self, optimizer):
+        self.norms.append({k: float(v) for k, v in lightning_zero.grad_norm(self, 2).items()})
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=0.01, weight_decay=0.1)
+
+
 def _tokens() -> TensorDataset:
     g = torch.Generator().manual_seed(99)
     tokens = torch.randint(0, 16, (DATASET, 7), generator=g)
@@ -233,6 +274,22 @@ def case_transformer(name: str, tmp: Path) -> dict:
     return _result(module, fit, recorder)
 
 
+def case_gpt_init(name: str, tmp: Path) -> dict:
+    """Built in ``configure_model`` with parent-level init and tied weights; after the fit the user saves
+    ``model.state_dict()`` with ``torch.save`` and loads it into a plain module."""
+    L.seed_everything(SEED, verbose=False)
+    module, recorder = InitGPTModule(), Recorder()
+    fit = quiet_trainer(make_strategy(name), max_epochs=1, accumulate_grad_batches=2, callbacks=[recorder])
+    fit.fit(module, train_loader(ParityConfig(model="gpt", batches_per_rank=4)))
+    path = tmp / f"gpt_init_{name}_rank{fit.global_rank}.pt"
+    torch.save(module.state_dict(), path)
+    plain = InitGPTModule()
+    plain.configure_model()
+    plain.load_state_dict(torch.load(path))
+    tied = plain.net.head.weight is plain.net.wte.weight
+    return _result(module, fit, recorder, reloaded=state_of(plain), tied_after_load=tied)
+
+
 def case_transformer_meta(name: str, tmp: Path) -> dict:
     """``model_init="meta"``: only each module's ``reset_parameters()`` is replayed, and a warning says so. The model
     stays sharded after the fit, and reading it without gathering is refused."""
@@ -324,6 +381,7 @@ PEER_CASES = {
     "batchnorm": case_batchnorm,
     "unused": case_unused,
     "transformer": case_transformer,
+    "gpt_init": case_gpt_init,
     "resume": case_resume,
 }
 """Cases compared with Lightning's ``ddp`` (``find_unused_parameters=True`` for ``unused``)."""
@@ -387,6 +445,17 @@ def test_same_as_lightning_ddp(runs, case, name):
 
 
 @pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", OURS)
+def test_state_dict_after_fit_round_trips_into_a_plain_module(runs, name):
+    """``torch.save(model.state_dict())`` after ``fit``, loaded into a module built without lightning_zero: the weights
+    ``ddp`` ends with, the tied head still tied."""
+    for rank in range(WORLD):
+        ours, peer = runs[rank]["gpt_init", name], runs[rank]["gpt_init", "ddp"]
+        assert max_diff(ours["reloaded"], peer["state"]) <= TOLERANCE
+        assert ours["tied_after_load"]
+
+
+@pytest.mark.timeout(900)
 def test_the_peer_cases_discriminate(runs):
     """The cases exercise what they claim: ``ddp``'s ranks end with rank 0's buffers and differ in the parameters
     ``b`` that only rank 0 uses from a run where nothing is averaged, the resumed LR is not the initial one."""
@@ -399,6 +468,12 @@ def test_the_peer_cases_discriminate(runs):
     unused = runs[0]["unused", "ddp"]
     assert unused["state"]["blocks.0.never.weight"].abs().max() > 0  # untouched by weight decay: not zeroed either
     assert not any("never" in key for key in unused["norms"][0]) and any(".b." in key for key in unused["norms"][0])
+    torch.manual_seed(SEED)  # the seed ddp's configure_model ran from
+    initial = {f"net.{k}": v for k, v in InitGPT().state_dict().items()}
+    torch.manual_seed(SEED)
+    replayed = {f"net.{k}": v for k, v in TinyGPT().state_dict().items()}  # what reset_parameters() alone gives
+    assert max_diff(runs[0]["gpt_init", "ddp"]["state"], initial) > 1e-3
+    assert max_diff(initial, replayed) > 1e-2
     resume = runs[0]["resume", "ddp"]
     assert resume["lr_at_start"] == pytest.approx(0.01) and resume["global_step"] == 12
 
