@@ -109,6 +109,8 @@ def test_callbacks_and_logger_instantiate(compose_cfg, tmp_path: Path) -> None:
         (["strategy.stage=4"], "stage=4 is invalid: expected 1, 2 or 3"),
         (["strategy=zero2_scratch", "strategy.grad_sync=sometimes"], "grad_sync='sometimes' is invalid"),
         (["strategy=zero1_scratch", "strategy.min_num_params=10"], "apply to stage=3 only: got stage=1"),
+        (["strategy.model_init=eager"], "model_init='eager' is invalid: expected one of ('auto', 'full', 'meta')"),
+        (["strategy=zero2_scratch", "strategy.model_init=full"], "apply to stage=3 only: got stage=2"),
         (["strategy=ddp_scratch", "strategy.bucket_size_mb=0"], "bucket_size_mb=0.0 is invalid"),
         (["trainer.devices=0"], "trainer.devices=0 is invalid: expected an integer >= 1"),
         (["trainer.num_nodes=0"], "trainer.num_nodes=0 is invalid"),

@@ -9,8 +9,10 @@ Runbook::
 
 Registered names: ``zero1_scratch``, ``zero2_scratch``, ``zero3_scratch`` (popen launcher) and their ``_spawn``
 variants. Stages 1 and 2 (:mod:`lightning_zero.sharded_optimizer`) leave the model whole; stage 3
-(:mod:`lightning_zero.sharded_params`) shards it per unit. ``configure_model`` runs on the meta device under stage 3,
-so a model is built piece by piece and no rank ever holds all of it. The optimizer returned by
+(:mod:`lightning_zero.sharded_params`) shards it per unit. Under stage 3 ``configure_model`` runs on the meta device
+first, then for real when the model fits in memory (exactly a normal build) or piece by piece so that no rank ever
+holds all of it (``model_init``), and a fit ends with the full weights back in the module when they fit. The
+optimizer returned by
 ``configure_optimizers`` is rebuilt in place over this rank's shards after Lightning sets it up, so schedulers keep
 driving it. Norm clipping (``gradient_clip_val`` with the default ``gradient_clip_algorithm="norm"``) uses the global
 norm across shards.

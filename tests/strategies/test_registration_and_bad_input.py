@@ -11,7 +11,7 @@ import pytest
 from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_zero
-from lightning_zero import ScratchDDPStrategy, ZeroStrategy
+from lightning_zero import RobustDDPStrategy, ScratchDDPStrategy, ZeroStrategy
 
 NAMES = {
     "ddp_scratch": (ScratchDDPStrategy, {}),
@@ -62,20 +62,40 @@ def test_trainer_builds_the_registered_strategy():
     assert trainer._accelerator_connector.is_distributed
 
 
+COMMON_BAD_SETTINGS = [
+    ({"process_group_backend": "nvlink"}, "process_group_backend='nvlink' is invalid: expected one of"),
+    ({"start_method": "thread"}, "start_method='thread' is invalid: expected one of"),
+    ({"timeout": -3}, "timeout=.* is invalid: expected a positive timedelta"),
+    ({"find_unused_parameters": "yes"}, "find_unused_parameters='yes' is invalid: expected True or False"),
+    ({"broadcast_buffers": 1}, "broadcast_buffers=1 is invalid: expected True or False"),
+]
+BUCKET_BAD_SETTINGS = [
+    ({"bucket_size_mb": 0}, "bucket_size_mb=0 is invalid: expected a number of MiB > 0"),
+    ({"bucket_size_mb": -1.5}, "bucket_size_mb=-1.5 is invalid"),
+    ({"bucket_size_mb": "25"}, "bucket_size_mb='25' is invalid"),
+]
+
+
+@pytest.mark.parametrize(
+    ("strategy", "kwargs", "message"),
+    [(s, *case) for s in (ScratchDDPStrategy, RobustDDPStrategy, ZeroStrategy) for case in COMMON_BAD_SETTINGS]
+    + [(s, *case) for s in (ScratchDDPStrategy, ZeroStrategy) for case in BUCKET_BAD_SETTINGS],
+)
+def test_bad_settings_raise_one_clear_value_error(strategy, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        strategy(**kwargs)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"bucket_size_mb": 0}, "bucket_size_mb=0 is invalid: expected a number of MiB > 0"),
-        ({"bucket_size_mb": -1.5}, "bucket_size_mb=-1.5 is invalid"),
-        ({"bucket_size_mb": "25"}, "bucket_size_mb='25' is invalid"),
-        ({"process_group_backend": "nvlink"}, "process_group_backend='nvlink' is invalid: expected one of"),
-        ({"start_method": "thread"}, "start_method='thread' is invalid: expected one of"),
-        ({"timeout": -3}, "timeout=.* is invalid: expected a positive timedelta"),
+        ({"stage": 3, "model_init": "eager"}, r"model_init='eager' is invalid: expected one of \('auto', 'full'"),
+        ({"stage": 1, "model_init": "full"}, "model_init apply to stage=3 only: got stage=1"),
     ],
 )
-def test_bad_settings_raise_one_clear_value_error(kwargs, message):
+def test_bad_zero_settings_raise_one_clear_value_error(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        ScratchDDPStrategy(**kwargs)
+        ZeroStrategy(**kwargs)
 
 
 def test_nccl_on_cpu_is_rejected_while_the_trainer_is_built():

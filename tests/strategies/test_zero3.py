@@ -285,7 +285,7 @@ def _evaluate(world_size: int) -> dict:
     trainer.fit(module, loader, loader)
     metrics = trainer.validate(module, loader, verbose=False)[0]
     predictions = torch.cat(trainer.predict(module, loader))
-    # A new Trainer (and strategy) on the same processes takes over the sharded model as it is.
+    # A new Trainer (and strategy) on the same processes shards the model anew from the weights the last run left.
     again = make_trainer(config, ZeroStrategy(stage=3)).validate(module, loader, verbose=False)[0]
     assert again == metrics, (again, metrics)
     # What every rank evaluated: the non-shuffling DistributedSampler's indices (one padded repeat).
