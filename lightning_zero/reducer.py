@@ -184,12 +184,8 @@ class GradientReducer:
             self.require_backward_grad_sync = previous
 
     @property
-    def params(self) -> list[Tensor]:
-        """The parameters, in the order their indices refer to."""
-        return list(self._params)
-
-    @property
     def names(self) -> list[str]:
+        """The parameters' names, in the order their indices refer to (:attr:`unused_everywhere`)."""
         return list(self._names)
 
     def end_window(self) -> None:

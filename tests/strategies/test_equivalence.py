@@ -72,6 +72,17 @@ class BatchNormModule(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
 
+class RecordsGradNorms(L.LightningModule):
+    """Records :func:`lightning_zero.grad_norm` before every optimizer step, where a user would log it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norms: list[dict[str, float]] = []
+
+    def on_before_optimizer_step(self, optimizer):
+        self.norms.append({k: float(v) for k, v in lightning_zero.grad_norm(self, 2).items()})
+
+
 class Branchy(nn.Module):
     """``b`` runs only where asked (rank 0 below); ``never`` runs nowhere."""
 
@@ -85,7 +96,7 @@ class Branchy(nn.Module):
         return h + self.b(h) if use_b else h
 
 
-class UnusedModule(L.LightningModule):
+class UnusedModule(RecordsGradNorms):
     """Rank-dependent unused parameters (``find_unused_parameters=True``), AdamW with weight decay (so a zero gradient
     and no gradient differ), gradient norms logged through :func:`lightning_zero.grad_norm`."""
 
@@ -93,7 +104,6 @@ class UnusedModule(L.LightningModule):
         super().__init__()
         self.blocks = nn.ModuleList([Branchy(), Branchy()])
         self.head = nn.Linear(6, 1)
-        self.norms: list[dict[str, float]] = []
 
     def training_step(self, batch, batch_idx):
         h = batch[0]
@@ -103,21 +113,17 @@ class UnusedModule(L.LightningModule):
         self.log("train_loss", loss)
         return loss
 
-    def on_before_optimizer_step(self, optimizer):
-        self.norms.append({k: float(v) for k, v in lightning_zero.grad_norm(self, 2).items()})
-
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=0.05, weight_decay=0.1)
 
 
-class TransformerModule(L.LightningModule):
+class TransformerModule(RecordsGradNorms):
     """Lightning's demo ``Transformer`` (``nn.Transformer`` xavier-initialises its weights after its children exist;
     ``MultiheadAttention`` zeroes its output bias), built in ``configure_model``, with dropout."""
 
     def __init__(self) -> None:
         super().__init__()
         self.model: nn.Module | None = None
-        self.norms: list[dict[str, float]] = []
 
     def configure_model(self) -> None:
         if self.model is None:
@@ -128,9 +134,6 @@ class TransformerModule(L.LightningModule):
         loss = F.nll_loss(self.model(inputs, target), target.reshape(-1))
         self.log("train_loss", loss)
         return loss
-
-    def on_before_optimizer_step(self, optimizer):
-        self.norms.append({k: float(v) for k, v in lightning_zero.grad_norm(self, 2).items()})
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
@@ -155,11 +158,10 @@ class InitGPT(TinyGPT):
             nn.init.zeros_(m.bias)
 
 
-class InitGPTModule(L.LightningModule):
+class InitGPTModule(RecordsGradNorms):
     def __init__(self) -> None:
         super().__init__()
         self.net: nn.Module | None = None
-        self.norms: list[dict[str, float]] = []
 
     def configure_model(self) -> None:
         if self.net is None:
@@ -169,9 +171,6 @@ class InitGPTModule(L.LightningModule):
         loss = loss_fn(self.net, *batch)
         self.log("train_loss", loss)
         return loss
-
-    def on_before_optimizer_step(self, optimizer):
-        self.norms.append({k: float(v) for k, v in lightning_zero.grad_norm(self, 2).items()})
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=0.01, weight_decay=0.1)
