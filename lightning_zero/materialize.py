@@ -160,5 +160,5 @@ def unreplayed_init(module: nn.Module) -> list[str]:
             continue  # the root (the LightningModule) was built before configure_model created its meta children
         user_class = not type(m).__module__.startswith("torch.") and type(m).__init__ is not nn.Module.__init__
         if hasattr(m, "_reset_parameters") or (user_class and not hasattr(m, "reset_parameters")):
-            found.append(f"{name or '<root>'} ({type(m).__name__})")
+            found.append(f"{name} ({type(m).__name__})")
     return found

@@ -56,7 +56,7 @@ from lightning_zero.grad_norm import clip_grad_norm_
 from lightning_zero.materialize import build_meta_modules, load_real_tensors
 from lightning_zero.segments import Segment, Unit, UnitState
 from lightning_zero.sharded_optimizer import GRAD_SYNC_MODES, check_in_optimizer
-from lightning_zero.units import ROOT, check_compiled, plan_units
+from lightning_zero.units import ROOT, check_compiled, plan_units, root_owners
 from lightning_zero.unused import HeldPieces, ParamPieces, UsedParams, param_pieces, unused_error
 
 FROZEN, TRAINABLE = "frozen", "trainable"
@@ -174,8 +174,7 @@ class ShardedParams:
         hooks = []
         for unit in self.units:
             if unit.plan.name == ROOT:
-                owners = {id(m): m for p in unit.params for m in self.module.modules() if _owns(m, p)}
-                for m in owners.values():
+                for _, m in root_owners(self.module, [unit.plan]):
                     hooks.append(m.register_forward_pre_hook(partial(self._pre_forward, unit)))
                 continue
             m = self.module.get_submodule(unit.plan.name)
@@ -527,7 +526,3 @@ class ShardedParams:
                 " `trainer.save_checkpoint(path)`. After a fit the full weights come back into the module when they"
                 " fit in memory (ZeroStrategy(model_init=...) decides)."
             )
-
-
-def _owns(m: nn.Module, p: Tensor) -> bool:
-    return any(q is p for q in m._parameters.values())

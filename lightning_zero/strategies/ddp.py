@@ -67,13 +67,11 @@ class ScratchDDPStrategy(ScratchParallelStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
 
     def _build_reducer(self) -> None:
-        old, self._reducer = (
-            self._reducer,
-            GradientReducer.for_module(
-                self.model,
-                bucket_cap_bytes=int(self.bucket_size_mb * 2**20),
-                find_unused_parameters=self.find_unused_parameters,
-            ),
+        old = self._reducer
+        self._reducer = GradientReducer.for_module(
+            self.model,
+            bucket_cap_bytes=int(self.bucket_size_mb * 2**20),
+            find_unused_parameters=self.find_unused_parameters,
         )
         if old is not None:  # rebuilt inside a fit, maybe inside Lightning's no_sync window
             old.remove()

@@ -189,7 +189,7 @@ class ZeroStrategy(ScratchParallelStrategy):
         if not nbytes:
             return
         copies = self.num_processes if self.root_device.type == "cpu" else 1  # local processes share host memory
-        if snapshot is not None and (self.model_init == "full" or fits_in_memory(nbytes, self.root_device, copies)):
+        if snapshot is not None and self._whole_model_fits(nbytes, self.root_device, copies):
             snapshot.restore()
             torch.set_rng_state(rng_before["cpu"])
             if "cuda" in rng_before:
@@ -453,8 +453,10 @@ class ZeroStrategy(ScratchParallelStrategy):
         # gather is collective, and the rank that failed may be the only one here.
         params, trainer = self._params, self.lightning_module._trainer if self.lightning_module is not None else None
         succeeded = trainer is not None and trainer.state.status == TrainerStatus.RUNNING
-        if params is not None and not params.released and succeeded and self._release_after_fit(params.full_nbytes):
-            sp_state.release(params, torch.device("cpu"))
+        cpu = torch.device("cpu")
+        release = params is not None and succeeded and not params.released
+        if release and self._whole_model_fits(params.full_nbytes, cpu, self.num_processes):
+            sp_state.release(params, cpu)
             self._revert_layer_sync()
             return super().teardown()
         # Otherwise the model stays sharded where it is, hooks included, so ``trainer.test`` or a forward after fit
@@ -465,10 +467,11 @@ class ZeroStrategy(ScratchParallelStrategy):
         self.accelerator.teardown()
         self.checkpoint_io.teardown()
 
-    def _release_after_fit(self, nbytes: int) -> bool:
+    def _whole_model_fits(self, nbytes: int, device: torch.device, copies: int) -> bool:
+        """``model_init``'s rule, for building the model for real and for handing its weights back after a fit."""
         if self.model_init == "meta":
             return False
-        return self.model_init == "full" or fits_in_memory(nbytes, torch.device("cpu"), self.num_processes)
+        return self.model_init == "full" or fits_in_memory(nbytes, device, copies)
 
     @classmethod
     @override
