@@ -158,10 +158,25 @@ def _finish(works: Sequence[Any], async_op: bool, then: Callable[[], None] | Non
     return None
 
 
+def _in_dtype(tensor: Tensor, dtype: torch.dtype | None) -> Tensor | None:
+    """A copy of ``tensor`` in ``dtype`` to communicate, or ``None`` when it already is in it."""
+    return None if dtype is None or dtype == tensor.dtype else tensor.to(dtype)
+
+
 def all_reduce(
-    tensor: Tensor, op: ReduceOpName = "sum", *, group: Any = None, async_op: bool = False, tag: str = ""
+    tensor: Tensor,
+    op: ReduceOpName = "sum",
+    *,
+    group: Any = None,
+    async_op: bool = False,
+    tag: str = "",
+    dtype: torch.dtype | None = None,
 ) -> Handle | None:
-    """In-place all-reduce of ``tensor``."""
+    """In-place all-reduce of ``tensor``, communicated in ``dtype`` when given (a copy, cast back on completion)."""
+    wire = _in_dtype(tensor, dtype)
+    if wire is not None:
+        handle = all_reduce(wire, op, group=group, async_op=True, tag=tag)
+        return _finish([handle], async_op, then=lambda: tensor.copy_(wire))
     reduce_op = _op(op)
     LEDGER.record("all_reduce", tag, _nbytes(tensor))
     work = dist.all_reduce(tensor, op=reduce_op, group=group, async_op=async_op)
@@ -185,11 +200,19 @@ def reduce_scatter(
     group: Any = None,
     async_op: bool = False,
     tag: str = "",
+    dtype: torch.dtype | None = None,
 ) -> Handle | None:
     """Reduce ``input`` (``world_size`` equal chunks, flat) across ranks; this rank's chunk lands in ``output``.
 
-    ``input`` must not change until the handle is waited on (see [Note: gloo substitutes]).
+    With ``dtype`` the reduction is communicated in that dtype (copies of ``input`` and ``output``), and the result
+    is cast into ``output`` on completion. ``input`` must not change until the handle is waited on (see
+    [Note: gloo substitutes]).
     """
+    wire = _in_dtype(input, dtype)
+    if wire is not None:
+        wire_out = output.new_empty(output.shape, dtype=dtype)
+        handle = reduce_scatter(wire_out, wire, op, group=group, async_op=True, tag=tag)
+        return _finish([handle], async_op, then=lambda: output.copy_(wire_out))
     n = world_size(group)
     if input.numel() != output.numel() * n:
         raise ValueError(
@@ -227,9 +250,25 @@ def reduce_scatter(
 
 
 def all_gather(
-    output: Tensor, input: Tensor, *, group: Any = None, async_op: bool = False, tag: str = ""
+    output: Tensor,
+    input: Tensor,
+    *,
+    group: Any = None,
+    async_op: bool = False,
+    tag: str = "",
+    dtype: torch.dtype | None = None,
 ) -> Handle | None:
-    """Gather every rank's ``input`` into the flat ``output`` (rank ``r``'s chunk at ``[r*k, (r+1)*k)``)."""
+    """Gather every rank's ``input`` into the flat ``output`` (rank ``r``'s chunk at ``[r*k, (r+1)*k)``).
+
+    ``input`` is cast to ``dtype`` (default: ``output``'s) to be communicated; an ``output`` of another dtype is
+    filled from a copy on completion (e.g. bf16 on the wire, fp32 parameters).
+    """
+    if dtype is not None and dtype != output.dtype:
+        wire_out = output.new_empty(output.shape, dtype=dtype)
+        handle = all_gather(wire_out, input, group=group, async_op=True, tag=tag)
+        return _finish([handle], async_op, then=lambda: output.copy_(wire_out))
+    if input.dtype != output.dtype:
+        input = input.to(output.dtype)
     n = world_size(group)
     k = input.numel()
     if output.numel() != k * n:

@@ -13,6 +13,10 @@ averaged over the process group. Wrap micro-batches that must not communicate in
 - *fresh gradient*: after ``optimizer.zero_grad(set_to_none=True)`` (Lightning's default) ``p.grad`` is ``None`` and
   autograd hands the next gradient over as a new tensor. The hook copies it into the view and rebinds ``p.grad`` to
   the view; the fresh tensor dies at once. One copy per parameter per accumulation window, nothing persistent.
+- *accumulation bucket* (a bucket whose dtype differs from its parameters', e.g. fp32 buckets for bf16
+  parameters under mixed precision): ``p.grad`` cannot be a view of another dtype, so the hook copies (or, later in an
+  accumulation window, adds) each gradient into the view, casting it, and drops ``p.grad``. The gradient of ``p``
+  then lives only in the bucket: :meth:`GradientReducer.grad_of` returns it.
 - *transient bucket* (``transient=True``, ZeRO's gradient path): when the bucket's first gradient arrives it
   borrows one of two persistent *pool buffers* (each the size of the largest bucket; reused, so no allocation or
   page faults per step); once its all-reduce completes it is handed to ``on_reduced``, the members' ``.grad`` are
@@ -91,6 +95,7 @@ class GradientReducer:
             owner calls :meth:`end_window` (after the optimizer step).
         group: process group (``None``: the default group).
         tag: ledger tag of the gradient all-reduces.
+        reduce_dtype: the dtype the buckets are all-reduced in (``None``: their own); the result is cast back.
     """
 
     def __init__(
@@ -104,6 +109,7 @@ class GradientReducer:
         find_unused_parameters: bool = False,
         group: Any = None,
         tag: str = "grads",
+        reduce_dtype: torch.dtype | None = None,
     ) -> None:
         self._params = list(params)
         self._names = list(names)
@@ -120,6 +126,7 @@ class GradientReducer:
         self.find_unused_parameters = find_unused_parameters
         self.group = group
         self.tag = tag
+        self.reduce_dtype = reduce_dtype
         self.require_backward_grad_sync = True
 
         self._bucket_of = [0] * len(self._params)
@@ -127,26 +134,34 @@ class GradientReducer:
         for b, bucket in enumerate(self._buckets):
             for slot, i in enumerate(bucket.indices):
                 self._bucket_of[i], self._slot_of[i] = b, slot
+        # Accumulation buckets ([Note: tensor roles]): the gradient is cast into the bucket, p.grad dropped.
+        self._cast = [p.dtype != self._buckets[b].dtype for p, b in zip(self._params, self._bucket_of)]
+        self._in_buffer = [False] * len(self._params)  # its gradient of this window is in its bucket's buffer
+        for bucket in self._buckets:
             if bucket.buffer is not None:
                 self._bind(bucket, bucket.buffer)
+        self._index = {id(p): i for i, p in enumerate(self._params)}
         self._hooks = [
             p.register_post_accumulate_grad_hook(partial(self._on_grad_ready, i)) for i, p in enumerate(self._params)
         ]
         self._used = [False] * len(self._params)  # got a gradient in this accumulation window
-        self._in_buffer = [False] * len(self._params)  # transient: its gradient is in its bucket's current buffer
         self.unused_everywhere: list[int] = []  # of the last synchronised pass's window, by index
         self._reset_pass()
 
     @classmethod
-    def for_module(cls, module: nn.Module, *, bucket_cap_bytes: int, **kwargs: Any) -> GradientReducer:
+    def for_module(
+        cls, module: nn.Module, *, bucket_cap_bytes: int, grad_dtype: torch.dtype | None = None, **kwargs: Any
+    ) -> GradientReducer:
         """Data parallelism: persistent buckets of at most ``bucket_cap_bytes`` over ``module``'s trainable
-        parameters in reverse registration order (roughly the order backward produces their gradients)."""
+        parameters in reverse registration order (roughly the order backward produces their gradients), holding the
+        gradients in ``grad_dtype`` (default: each parameter's dtype)."""
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad][::-1]
         params = [p for _, p in named]
+        dtypes = [grad_dtype or p.dtype for p in params]
         layouts = assign_buckets(
             [p.numel() for p in params],
-            [p.element_size() for p in params],
-            [(p.dtype, p.device) for p in params],
+            [torch.empty((), dtype=d).element_size() for d in dtypes],
+            [(d, p.device) for d, p in zip(dtypes, params)],
             bucket_cap_bytes,
         )
         buckets = []
@@ -188,9 +203,19 @@ class GradientReducer:
         """The parameters' names, in the order their indices refer to (:attr:`unused_everywhere`)."""
         return list(self._names)
 
+    def grad_of(self, param: Tensor) -> Tensor | None:
+        """Where ``param``'s gradient of this window is: ``param.grad``, or its accumulation bucket's view."""
+        i = self._index[id(param)]
+        if not self._cast[i]:
+            return param.grad
+        return self._view(i) if self._in_buffer[i] else None
+
     def end_window(self) -> None:
-        """A transient reducer's accumulation window is over (the optimizer stepped)."""
+        """The accumulation window is over (the optimizer stepped): the next gradients start afresh. Transient
+        reducers and accumulation buckets rely on it; plain buckets restart when ``p.grad`` is set to ``None``."""
         self._used = [False] * len(self._params)
+        if not self.transient:
+            self._in_buffer = [False] * len(self._params)
 
     def remove(self) -> None:
         """Remove the autograd hooks; gradients stay where they are."""
@@ -207,7 +232,8 @@ class GradientReducer:
             view = buffer.narrow(0, offset, p.numel()).view_as(p)
             if p.grad is not None:
                 view.copy_(p.grad)
-                p.grad = view
+                p.grad = None if self._cast[i] else view
+                self._in_buffer[i] = self._in_buffer[i] or self._cast[i]
             bucket.views.append(view)
 
     def _view(self, i: int) -> Tensor:
@@ -239,9 +265,17 @@ class GradientReducer:
         self._in_flight: list[tuple[GradBucket, comm.Handle | None]] = []
         self._callback_queued = False
 
+    def _holds_grad(self, i: int) -> bool:
+        """Whether parameter ``i``'s slice holds a gradient of this window (else it holds stale values)."""
+        return self._in_buffer[i] if self.transient or self._cast[i] else self._params[i].grad is not None
+
     def _on_grad_ready(self, i: int, param: Tensor) -> None:
         view = self._view(i)
-        if param.grad.data_ptr() != view.data_ptr():
+        if self._cast[i]:  # an accumulation bucket: cast in, add within the window
+            if param.grad is not None:  # else _view's binding of a borrowed buffer took it in already
+                (view.add_ if self._in_buffer[i] else view.copy_)(param.grad.view_as(view))
+                param.grad = None
+        elif param.grad.data_ptr() != view.data_ptr():
             view.copy_(param.grad)
             param.grad = view
         self._used[i] = self._in_buffer[i] = True
@@ -263,7 +297,9 @@ class GradientReducer:
         # [Note: launch order]: never skip ahead of an unlaunched bucket.
         while self._next_launch < len(self._buckets) and self._pending[self._next_launch] == 0:
             bucket = self._buckets[self._next_launch]
-            handle = comm.all_reduce(bucket.buffer, "avg", group=self.group, async_op=True, tag=self.tag)
+            handle = comm.all_reduce(
+                bucket.buffer, "avg", group=self.group, async_op=True, tag=self.tag, dtype=self.reduce_dtype
+            )
             self._in_flight.append((bucket, handle))
             self._next_launch += 1
 
@@ -293,9 +329,9 @@ class GradientReducer:
                 # A parameter "has a gradient" in this window as in single-process training: it was used, or it
                 # still holds one from before. Unready slices that hold no gradient of this window are zeroed (a
                 # persistent slice keeps an earlier window's values; a borrowed buffer holds anything).
-                has_grad = [used or p.grad is not None for used, p in zip(self._used, self._params)]
+                has_grad = [used or self._holds_grad(i) for i, used in enumerate(self._used)]
                 for i in unready:
-                    if not (self._in_buffer[i] if self.transient else self._params[i].grad is not None):
+                    if not self._holds_grad(i):
                         self._view(i).zero_()
                 self._pending = [0] * len(self._buckets)
                 self._launch_ready_buckets()
@@ -305,7 +341,10 @@ class GradientReducer:
             self._drain(0)
             if self.find_unused_parameters and not self.transient:
                 for i, p in enumerate(self._params):
-                    p.grad = self._view(i) if anywhere[i] else None
+                    if self._cast[i]:
+                        self._in_buffer[i] = bool(anywhere[i])
+                    else:
+                        p.grad = self._view(i) if anywhere[i] else None
         finally:
             if not self.transient:
                 self._used = [False] * len(self._params)

@@ -27,13 +27,28 @@ class Segment:
     """One flat buffer of a unit: its parameters of one key (optimizer param group, or frozen)."""
 
     def __init__(
-        self, key: int | str, params: list[nn.Parameter], names: list[str], world_size: int, rank: int, device: Any
+        self,
+        key: int | str,
+        params: list[nn.Parameter],
+        names: list[str],
+        world_size: int,
+        rank: int,
+        device: Any,
+        module_dtype: torch.dtype,
+        cast_dtype: torch.dtype | None = None,
+        gather_dtype: torch.dtype | None = None,
+        master_dtype: torch.dtype | None = None,
     ) -> None:
+        """``module_dtype``: the parameters' dtype in the module as built; ``cast_dtype``: of the unsharded flat, the
+        module computes with it; ``gather_dtype``: of the all-gather into it; ``master_dtype``: of the shard, which the
+        optimizer updates and gradients accumulate in (``None``: the module's dtype for each)."""
         self.key, self.params, self.names = key, params, names
         self.layout = flat_layout([p.numel() for p in params], world_size)
-        dtype = params[0].dtype
+        self.module_dtype = module_dtype  # a released module gets it back
+        dtype = cast_dtype or self.module_dtype
+        self.gather_dtype = gather_dtype or dtype
         self.start, self.end = self.layout.shard_range(rank)
-        self.shard = nn.Parameter(torch.zeros(self.end - self.start, dtype=dtype, device=device))
+        self.shard = nn.Parameter(torch.zeros(self.end - self.start, dtype=master_dtype or dtype, device=device))
         self.full = torch.empty(self.layout.padded_numel, dtype=dtype, device=device)
         self.views = [self.full.narrow(0, o, p.numel()).view(p.shape) for p, o in zip(params, self.layout.offsets)]
         self.full.untyped_storage().resize_(0)  # views first: they are checked against the storage's size
@@ -49,6 +64,13 @@ class Segment:
             if not filled:
                 self.grad_full.narrow(0, offset, p.numel()).zero_()
         self.grad_full.narrow(0, self.layout.numel, self.layout.padded_numel - self.layout.numel).zero_()
+
+    def gather_values(self, shard_tensor: Tensor, group: Any, tag: str = "state_dict") -> list[Tensor]:
+        """All-gather a shard-shaped tensor (the shard, an optimizer state) and return full per-parameter views of
+        the result, in its dtype (collective)."""
+        flat = torch.empty(self.layout.padded_numel, dtype=shard_tensor.dtype, device=shard_tensor.device)
+        comm.all_gather(flat, shard_tensor.detach(), group=group, tag=tag)
+        return [flat.narrow(0, o, p.numel()).view(p.shape) for p, o in zip(self.params, self.layout.offsets)]
 
     @property
     def nbytes(self) -> int:

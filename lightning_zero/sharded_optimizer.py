@@ -16,6 +16,12 @@ Runbook::
   keep working on the same object with the same hyper-parameters; its state (e.g. AdamW's two moments) exists for
   the shard only: 8Ψ/N bytes.
 - *shard grad*: ``shard.grad``, this rank's slice of the averaged gradient.
+- *master shard* (mixed precision, [Note: precision policy] in ``lightning_zero/precision.py``): when the flat param
+  is in a low-precision dtype (``cast_dtype``, or ``bf16-true``) or is gathered in one (``gather_dtype``), the shard
+  param is an fp32 copy of this rank's slice instead of a view; the optimizer updates it, gradient buckets and shard
+  grads are fp32 (accumulation in fp32), and after the step each rank's master is rounded to ``gather_dtype`` and
+  all-gathered into the flat param. Its value goes into checkpoints as
+  the optimizer state ``"master"`` (the module weights are the rounded copy), as DeepSpeed keeps fp32 partitions.
 - *gradient buckets*: contiguous ranges of a flat group, filled in reverse registration order and all-reduced
   (average) from autograd hooks by :class:`~lightning_zero.reducer.GradientReducer` while backward runs.
 
@@ -81,6 +87,9 @@ class _FlatGroup:
         names: list[str],
         world_size: int,
         rank: int,
+        cast_dtype: torch.dtype | None = None,
+        gather_dtype: torch.dtype | None = None,
+        master_dtype: torch.dtype | None = None,
     ) -> None:
         if not params:
             raise ValueError(f"param group {index} has no trainable parameters: drop the group or unfreeze some")
@@ -94,14 +103,28 @@ class _FlatGroup:
         self.params = params
         self.names = names
         self.layout: FlatLayout = flat_layout([p.numel() for p in params], world_size)
-        dtype, device = params[0].dtype, params[0].device
+        self.module_dtype = params[0].dtype  # what the module had: it gets the master values back in it
+        dtype, device = cast_dtype or self.module_dtype, params[0].device
+        self.start, self.end = self.layout.shard_range(rank)
+        self.gather_dtype = gather_dtype or dtype
+        rounded = dtype != master_dtype or self.gather_dtype != master_dtype  # the flat holds rounded values
+        master = master_dtype if master_dtype is not None and rounded else None
+        if master is not None:  # from the values before any cast (fp32 initialisation stays exact)
+            self.shard = nn.Parameter(torch.zeros(self.end - self.start, dtype=master, device=device))
+            for i, in_param, in_shard, length in self.layout.param_pieces(rank):
+                piece = params[i].detach().reshape(-1).narrow(0, in_param, length)
+                self.shard.data.narrow(0, in_shard, length).copy_(piece)
         self.flat = torch.zeros(self.layout.padded_numel, dtype=dtype, device=device)
         for p, offset in zip(params, self.layout.offsets):
             view = self.flat.narrow(0, offset, p.numel())
             view.copy_(p.detach().reshape(-1))
             p.data = view.view_as(p)
-        self.start, self.end = self.layout.shard_range(rank)
-        self.shard = nn.Parameter(self.flat.narrow(0, self.start, self.end - self.start))
+        if master is not None:  # what every gather will hold: the master rounded to the gather dtype
+            self.flat.copy_(self.flat.to(self.gather_dtype))
+        else:
+            self.shard = nn.Parameter(self.flat.narrow(0, self.start, self.end - self.start))
+        self.has_master = master is not None
+        self.grad_dtype = self.shard.dtype  # gradients accumulate in the dtype the optimizer updates
         # The group as the user built it (frozen ones included): how the full state dict numbers parameters.
         self.original_params = original_params
         self.flat_grad: Tensor | None = None  # persistent full gradient (stage 1, boundary)
@@ -118,6 +141,11 @@ class ShardedOptimizer:
         grad_sync: ``"boundary"`` or ``"microbatch"`` (see the module docstring); ``None``: ``"boundary"`` for
             stage 1, ``"microbatch"`` for stage 2.
         bucket_cap_bytes: gradient bucket cap in bytes.
+        cast_dtype: dtype the module's parameters are cast to (``None``: as they are).
+        gather_dtype: dtype of the all-gather of the updated shards (``None``: the parameters').
+        master_dtype: dtype of the shard the optimizer updates, kept apart when the parameters are in, or gathered
+            in, another ([Note: tensor roles], master shard).
+        reduce_dtype: dtype gradients are all-reduced in (``None``: the accumulation dtype).
         find_unused_parameters: allow parameters without a gradient in a backward pass (see
             :class:`~lightning_zero.reducer.GradientReducer`); a parameter no rank used in an optimizer step is left
             untouched by it ([Note: parameters no rank used] in ``lightning_zero/unused.py``).
@@ -133,6 +161,10 @@ class ShardedOptimizer:
         grad_sync: str | None = None,
         bucket_cap_bytes: int,
         find_unused_parameters: bool = False,
+        cast_dtype: torch.dtype | None = None,
+        gather_dtype: torch.dtype | None = None,
+        master_dtype: torch.dtype | None = None,
+        reduce_dtype: torch.dtype | None = None,
         group: object = None,
     ) -> None:
         if stage not in (1, 2):
@@ -158,16 +190,27 @@ class ShardedOptimizer:
             params = sorted((p for p in param_group["params"] if p.requires_grad), key=lambda p: order[id(p)])
             seen.update(id(p) for p in params)
             flat_group = _FlatGroup(
-                index, list(param_group["params"]), params, [names[id(p)] for p in params], self.world_size, self.rank
+                index,
+                list(param_group["params"]),
+                params,
+                [names[id(p)] for p in params],
+                self.world_size,
+                self.rank,
+                cast_dtype,
+                gather_dtype,
+                master_dtype,
             )
             param_group["params"] = [flat_group.shard]
             self.groups.append(flat_group)
         check_in_optimizer([name for name, p in module.named_parameters() if p.requires_grad and id(p) not in seen])
-        self.reducer = self._build_reducer(module, bucket_cap_bytes, find_unused_parameters)
+        self._masters_loaded = False
+        self.reducer = self._build_reducer(module, bucket_cap_bytes, find_unused_parameters, reduce_dtype)
         self._held = HeldPieces(optimizer)
         self._pieces = [param_pieces(g.names, g.shard, g.layout, self.rank) for g in self.groups]
 
-    def _build_reducer(self, module: nn.Module, bucket_cap_bytes: int, find_unused: bool) -> GradientReducer:
+    def _build_reducer(
+        self, module: nn.Module, bucket_cap_bytes: int, find_unused: bool, reduce_dtype: torch.dtype | None
+    ) -> GradientReducer:
         # Every trainable parameter in reverse registration order, tagged with its group and flat offset.
         entries = []
         where = {id(p): (g, offset) for g in self.groups for p, offset in zip(g.params, g.layout.offsets)}
@@ -176,7 +219,7 @@ class ShardedOptimizer:
                 entries.append((name, p, *where[id(p)]))
         layouts = assign_buckets(
             [p.numel() for _, p, _, _ in entries],
-            [p.element_size() for _, p, _, _ in entries],
+            [torch.empty((), dtype=g.grad_dtype).element_size() for _, _, g, _ in entries],
             [g.index for _, _, g, _ in entries],
             bucket_cap_bytes,
         )
@@ -189,10 +232,10 @@ class ShardedOptimizer:
             if hi == g.layout.numel:
                 hi = g.layout.padded_numel  # the bucket holding the group's end carries the padding
             offsets = tuple(offset - lo for *_, offset in members)
-            bucket = GradBucket(layout.indices, offsets, hi - lo, g.flat.dtype, g.flat.device)
+            bucket = GradBucket(layout.indices, offsets, hi - lo, g.grad_dtype, g.flat.device)
             if self.persistent:
                 if g.flat_grad is None:
-                    g.flat_grad = torch.zeros_like(g.flat)
+                    g.flat_grad = torch.zeros_like(g.flat, dtype=g.grad_dtype)
                 bucket.buffer = g.flat_grad.narrow(0, lo, hi - lo)
             self._bucket_range[id(bucket)] = (g, lo, hi)
             buckets.append(bucket)
@@ -207,6 +250,7 @@ class ShardedOptimizer:
             on_reduced=self._on_bucket_reduced,
             find_unused_parameters=find_unused,
             group=self.group,
+            reduce_dtype=reduce_dtype,
         )
 
     def _on_bucket_reduced(self, bucket: GradBucket) -> None:
@@ -260,15 +304,50 @@ class ShardedOptimizer:
         stage 1's full local gradients)."""
         self._held.restore()
         self.reducer.end_window()
-        for g in self.groups:
-            comm.all_gather(g.flat, g.shard.detach(), group=self.group, tag="params")
+        self._gather_params()
         if self.persistent:
             for g in self.groups:
                 for p in g.params:
                     p.grad = None
 
+    def _gather_params(self) -> None:
+        for g in self.groups:  # a master shard is rounded to the gather dtype on the way
+            comm.all_gather(g.flat, g.shard.detach(), group=self.group, tag="params", dtype=g.gather_dtype)
+
     def remove(self) -> None:
         self.reducer.remove()
+
+    def restore_masters(self) -> None:
+        """After a fit: the module's parameters hold the master values in the dtype the module had (not the values
+        rounded to ``gather_dtype``), as an unsharded optimizer would have left them. Collective; a module that was
+        cast gets new full-size parameters."""
+        for g in self.groups:
+            if not g.has_master:
+                continue
+            if g.flat.dtype == g.module_dtype:
+                comm.all_gather(g.flat, g.shard.detach(), group=self.group, tag="params")
+                continue
+            full = torch.empty(g.layout.padded_numel, dtype=g.module_dtype, device=g.flat.device)
+            comm.all_gather(full, g.shard.detach(), group=self.group, tag="params")
+            for p, offset in zip(g.params, g.layout.offsets):
+                p.data = full.narrow(0, offset, p.numel()).view_as(p)
+
+    def sync_after_load(self) -> None:
+        """After a checkpoint was loaded into the module and the optimizer: the parameters from master values
+        loaded with the optimizer state, or else the masters from the loaded parameters."""
+        if self._masters_loaded:
+            self._gather_params()
+        for g in self.groups:
+            if g.has_master and not self._masters_loaded:
+                g.shard.data.copy_(g.flat.narrow(0, g.start, g.end - g.start))
+        self._masters_loaded = False
+
+    def _with_master(self, g: _FlatGroup) -> dict:
+        """The optimizer state of ``g``'s shard, plus the master values when they are kept apart."""
+        state = dict(self.optimizer.state.get(g.shard, {}))
+        if g.has_master:
+            state["master"] = g.shard.detach()
+        return state
 
     # ------------------------------------------------------ sharded state dict
     # [Note: sharded optimizer state] Per group, each per-element state (AdamW's moments, SGD's momentum) is one
@@ -289,6 +368,11 @@ class ShardedOptimizer:
 
     def _load_shards(self, sharded_state: dict[int, dict], param_groups: list[dict]) -> None:
         """Load per-group shard state with the saved hyper-parameters into the rebuilt optimizer."""
+        for index, entry in sharded_state.items():
+            master = entry.pop("master", None)
+            if master is not None:  # the module's parameters follow in sync_after_load
+                self.groups[index].shard.data.copy_(master)
+                self._masters_loaded = True
         self.optimizer.load_state_dict(
             {"state": sharded_state, "param_groups": [{**hp, "params": [i]} for i, hp in enumerate(param_groups)]}
         )
@@ -298,7 +382,7 @@ class ShardedOptimizer:
         state = {}
         for g in self.groups:
             entry = {}
-            for key, value in self.optimizer.state.get(g.shard, {}).items():
+            for key, value in self._with_master(g).items():
                 entry[key] = self._to_dtensor(g, value.detach()) if self._elementwise(g, value) else value
             state[f"group{g.index}"] = entry
         return {"state": state, "param_groups": hyperparameters(self.optimizer.param_groups)}
@@ -355,7 +439,7 @@ class ShardedOptimizer:
         groups = []
         for g, numbers, hyper in zip(self.groups, self._numbering(), hyperparameters(self.optimizer.param_groups)):
             groups.append({**hyper, "params": numbers})
-            shard_state = self.optimizer.state.get(g.shard, {})
+            shard_state = self._with_master(g)
             scalars: dict[str, object] = {}  # e.g. Adam's step: equal on every rank
             gathered: dict[str, Tensor] = {}  # per-element state (moments), gathered into a full flat buffer
             for key, value in shard_state.items():

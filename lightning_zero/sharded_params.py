@@ -23,6 +23,11 @@ for frozen parameters), each laid out flat and padded to a multiple of N.
 - *unsharded gradient* (``segment.grad_full``): the unit's gradients gathered into one flat buffer as autograd
   produces them (``p.grad`` is dropped at once), reduce-scattered (average) when the unit's last gradient arrives.
   The result is added to ``shard.grad``, the persistent 4Ψ/N accumulator.
+- mixed precision ([Note: precision policy] in ``lightning_zero/precision.py``): the shard is in ``master_dtype``
+  (fp32: the master weights the optimizer updates, and what checkpoints hold); it is all-gathered in
+  ``gather_dtype`` (bf16: half the bytes; the values the module computes with are the masters rounded to it) into the
+  unsharded flat, which keeps the module's dtype (or ``cast_dtype``); unsharded gradients are in the shard's dtype
+  (accumulation) and reduce-scattered in ``reduce_dtype``.
 
 Per step: forward gathers each unit (4Ψ, while the next unit's gather is in flight) and frees it after its forward,
 unless ``reshard_after_forward=False``; backward re-gathers it (another 4Ψ, prefetching the unit that ran before it),
@@ -85,6 +90,8 @@ class ShardedParams:
             group's, so a rank that stops gathering makes the others fail as soon as on the main group.
         find_unused_parameters: allow trainable parameters without a gradient in a backward pass; see
             [Note: unused parameters]. Off: such a parameter raises an error naming it.
+        cast_dtype / gather_dtype / master_dtype / reduce_dtype: mixed precision ([Note: tensor roles]); ``None``:
+            the parameters' own dtype.
         group: process group (``None``: the default group).
     """
 
@@ -100,6 +107,10 @@ class ShardedParams:
         rng_state: Mapping[str, Tensor] | None = None,
         timeout: timedelta | None = None,
         find_unused_parameters: bool = False,
+        cast_dtype: torch.dtype | None = None,
+        gather_dtype: torch.dtype | None = None,
+        master_dtype: torch.dtype | None = None,
+        reduce_dtype: torch.dtype | None = None,
         group: Any = None,
     ) -> None:
         if grad_sync not in GRAD_SYNC_MODES:
@@ -110,6 +121,9 @@ class ShardedParams:
         self.module, self.group, self.device = module, group, torch.device(device)
         self.reshard_after_forward, self.grad_sync = reshard_after_forward, grad_sync
         self.world_size, self.rank = comm.world_size(group), comm.rank(group)
+        self._dtypes = (cast_dtype, gather_dtype, master_dtype)  # of every segment
+        self._module_dtypes = {id(p): p.dtype for p in module.parameters()}  # before any cast or placeholder
+        self.reduce_dtype = reduce_dtype
         self.require_backward_grad_sync = True
         self.optimizer: torch.optim.Optimizer | None = None
         self.original_groups: list[list[nn.Parameter]] = []
@@ -156,19 +170,35 @@ class ShardedParams:
             if len(dtypes) > 1:
                 raise ValueError(f"unit {unit.plan.label!r} mixes dtypes {sorted(map(str, dtypes))} in one segment")
             names = [self._names[id(p)] for p in members]
-            unit.segments.append(Segment(key, members, names, self.world_size, self.rank, self.device))
+            unit.segments.append(
+                Segment(
+                    key,
+                    members,
+                    names,
+                    self.world_size,
+                    self.rank,
+                    self.device,
+                    self._module_dtypes[id(members[0])],
+                    *self._dtypes,
+                )
+            )
         unit.expected = sum(p.requires_grad for p in unit.params)
         self._where.update({id(p): (unit, s, i) for s in unit.segments for i, p in enumerate(s.params)})
 
-    def _placeholder(self, p: Tensor) -> Tensor:
-        if p.dtype not in self._placeholders:
-            self._placeholders[p.dtype] = torch.zeros((), dtype=p.dtype, device=self.device)
-        return self._placeholders[p.dtype].expand(p.shape)
+    def _placeholder(self, p: Tensor, segment: Segment) -> Tensor:
+        dtype = segment.full.dtype  # a parameter keeps the dtype it computes in, gathered or not
+        if dtype not in self._placeholders:
+            self._placeholders[dtype] = torch.zeros((), dtype=dtype, device=self.device)
+        return self._placeholders[dtype].expand(p.shape)
+
+    def shard_dtype(self, p: Tensor) -> torch.dtype:
+        """The dtype ``p``'s values are kept in (its shard's: the master dtype under mixed precision)."""
+        return self._where[id(p)][1].shard.dtype
 
     def _load_param(self, p: nn.Parameter) -> None:
         _, segment, i = self._where[id(p)]
         segment.load_param(i, p.data)
-        p.data = self._placeholder(p)
+        p.data = self._placeholder(p, segment)
 
     def _register_hooks(self) -> list[Any]:
         hooks = []
@@ -196,7 +226,9 @@ class ShardedParams:
         for s in unit.segments:
             s.full.untyped_storage().resize_(s.nbytes)
             unit.handles.append(
-                comm.all_gather(s.full, s.shard.detach(), group=self.group, async_op=True, tag="params")
+                comm.all_gather(
+                    s.full, s.shard.detach(), group=self.group, async_op=True, tag="params", dtype=s.gather_dtype
+                )
             )
         unit.state = UnitState.GATHERING
 
@@ -226,7 +258,7 @@ class ShardedParams:
         self._wait(unit)
         for s in unit.segments:
             for p in s.params:
-                p.data = self._placeholder(p)
+                p.data = self._placeholder(p, s)
             s.full.untyped_storage().resize_(0)
         unit.state = UnitState.SHARDED
 
@@ -299,7 +331,7 @@ class ShardedParams:
         self._queue_end_backward()  # a model with a root unit only has no pre-backward hook
         unit, segment, i = self._where[id(p)]
         if segment.grad_full is None:  # not zeroed: each gradient is copied in, gaps are zeroed before reducing
-            segment.grad_full, segment.filled = self._take(segment.full), [False] * len(segment.params)
+            segment.grad_full, segment.filled = self._take_grad_full(segment), [False] * len(segment.params)
         region = segment.grad_full.narrow(0, segment.layout.offsets[i], p.numel())
         if segment.filled[i]:
             region.add_(p.grad.reshape(-1))
@@ -337,13 +369,15 @@ class ShardedParams:
             if s.grad_full is None:
                 if not self.find_unused_parameters or s.key == FROZEN:
                     continue
-                s.grad_full, s.filled = self._take(s.full), [False] * len(s.params)  # no gradient here on this rank
+                s.grad_full, s.filled = self._take_grad_full(s), [False] * len(s.params)  # no gradient on this rank
             s.zero_unfilled()
             if s.grad_acc is None:
                 s.grad_acc = torch.empty_like(s.shard)
             first = s.shard.grad is None and all(p[1] is not s for p in self._pending)  # of this window
             out = s.grad_acc if first else self._take(s.shard)
-            handle = comm.reduce_scatter(out, s.grad_full, "avg", group=self.group, async_op=True, tag="grads")
+            handle = comm.reduce_scatter(
+                out, s.grad_full, "avg", group=self.group, async_op=True, tag="grads", dtype=self.reduce_dtype
+            )
             self._pending.append((unit, s, out, s.grad_full, handle))
             s.grad_full = None
         while len(self._pending) > MAX_PENDING_REDUCTIONS:
@@ -359,11 +393,16 @@ class ShardedParams:
             segment.shard.grad.add_(out)
             self._give(out)
 
-    def _take(self, like: Tensor) -> Tensor:
-        """An uninitialised buffer shaped like ``like``, reused within a step: reallocating (and page-faulting)
-        every unit's gradient buffers costs more than the communication they feed."""
-        free = self._cache.get((like.numel(), like.dtype), [])
-        return free.pop() if free else torch.empty_like(like)
+    def _take(self, like: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+        """An uninitialised buffer shaped like ``like`` (in ``dtype``), reused within a step: reallocating (and
+        page-faulting) every unit's gradient buffers costs more than the communication they feed."""
+        dtype = dtype or like.dtype
+        free = self._cache.get((like.numel(), dtype), [])
+        return free.pop() if free else torch.empty_like(like, dtype=dtype)
+
+    def _take_grad_full(self, segment: Segment) -> Tensor:
+        """An unsharded gradient buffer: full-sized, in the shard's dtype (gradients accumulate in it)."""
+        return self._take(segment.full, segment.shard.dtype)
 
     def _give(self, buffer: Tensor) -> None:
         self._cache.setdefault((buffer.numel(), buffer.dtype), []).append(buffer)
@@ -454,10 +493,9 @@ class ShardedParams:
 
     def _resegment(self, unit: Unit, keys: list[int | str], params: list[nn.Parameter]) -> None:
         """Re-lay ``unit`` with one segment per key (one unit gathered at a time)."""
-        self._gather(unit)
-        self._wait(unit)
-        values = {id(p): p.detach().clone() for p in params}
-        self._free(unit)
+        values = {}  # in the shards' dtype: master values are not rounded on the way
+        for s in unit.segments:
+            values.update(zip(map(id, s.params), s.gather_values(s.shard, self.group, tag="params")))
         self._build_segments(unit, keys, params)
         for s in unit.segments:
             for i, p in enumerate(s.params):

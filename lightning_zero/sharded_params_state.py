@@ -27,7 +27,6 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from lightning_zero import collectives as comm
 from lightning_zero.segments import Segment
 from lightning_zero.sharded_optimizer import check_group_count, hyperparameters
 from lightning_zero.sharded_params import ShardedParams
@@ -39,9 +38,7 @@ def _mesh(engine: ShardedParams) -> DeviceMesh:
 
 def _per_param(engine: ShardedParams, segment: Segment, shard_tensor: Tensor) -> list[Tensor]:
     """All-gather a shard-shaped tensor of ``segment`` and return full per-parameter views of the result."""
-    flat = torch.empty(segment.layout.padded_numel, dtype=shard_tensor.dtype, device=shard_tensor.device)
-    comm.all_gather(flat, shard_tensor.detach(), group=engine.group, tag="state_dict")
-    return [flat.narrow(0, o, p.numel()).view(p.shape) for p, o in zip(segment.params, segment.layout.offsets)]
+    return segment.gather_values(shard_tensor, engine.group)
 
 
 def _local_shape(shape: torch.Size, world_size: int, rank: int) -> tuple[int, ...]:
@@ -90,9 +87,9 @@ def model_state_dict(engine: ShardedParams, sharded: bool) -> dict[str, Any]:
 def release(engine: ShardedParams, device: torch.device) -> None:
     """Gather every parameter into a tensor of its own on ``device`` and give the module back (one segment at a time;
     [Note: reading sharded parameters] in ``lightning_zero/sharded_params.py``). Collective."""
-    for segment in engine.segments:
+    for segment in engine.segments:  # the master values, in the dtype the module had before any cast
         for p, full in zip(segment.params, _per_param(engine, segment, segment.shard)):
-            p.data = full.to(device, copy=True)
+            p.data = full.to(device, dtype=segment.module_dtype, copy=True)
     engine.detach_from_module()
 
 
@@ -103,8 +100,10 @@ def model_template(engine: ShardedParams) -> dict[str, Any]:
     with engine.reading_placeholders():
         state = engine.module.state_dict(keep_vars=True)
     for key, t in state.items():
-        is_param = isinstance(t, torch.nn.Parameter)
-        out[key] = _template(mesh, t.shape, t.dtype, engine.device) if is_param else t.detach()
+        if isinstance(t, torch.nn.Parameter):  # in the shard's dtype: master values load without rounding
+            out[key] = _template(mesh, t.shape, engine.shard_dtype(t), engine.device)
+        else:
+            out[key] = t.detach()
     return out
 
 

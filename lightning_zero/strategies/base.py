@@ -10,6 +10,9 @@ What a subclass inherits:
 - ``is_distributed = True``, so Lightning injects a ``DistributedSampler`` into every loader.
 - ``reduce``/``all_gather``/``broadcast``/``barrier`` through :mod:`lightning_zero.collectives`, which is what
   ``self.log(..., sync_dist=True)`` and ``trainer.strategy.reduce`` use.
+- **Mixed precision as a property of the engine** ([Note: precision policy] in ``lightning_zero/precision.py``):
+  ``param_dtype``/``reduce_dtype``/``master_weights``/``cast_module``, defaulted from the Trainer's ``precision``,
+  and a loss scaler (``16-mixed``) whose inf/NaN check covers every rank.
 - **Buffers as torch DDP keeps them** ([Note: buffer broadcast] below) and ``sync_batchnorm=True`` through
   :mod:`lightning_zero.sync_batchnorm`.
 - **The process group torn down at exit**: a script that ends with the group alive was measured to abort now and
@@ -36,6 +39,7 @@ import logging
 from collections.abc import Generator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
+from functools import partial
 from typing import Any
 
 import lightning.pytorch as pl
@@ -48,7 +52,7 @@ from lightning.fabric.utilities.distributed import _init_dist_connection
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.layer_sync import LayerSync, TorchSyncBatchNorm
-from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
@@ -59,6 +63,16 @@ from typing_extensions import override
 
 from lightning_zero import collectives as comm
 from lightning_zero.memory import ModelStateBytes, model_state_bytes
+from lightning_zero.precision import (
+    DEFAULT,
+    PrecisionPolicy,
+    ShardedGradScaler,
+    cast_buffers,
+    cast_floats,
+    parse_dtype,
+    resolve_policy,
+    restore_buffers,
+)
 from lightning_zero.sync_batchnorm import ScratchSyncBatchNorm
 
 log = logging.getLogger(__name__)
@@ -141,9 +155,18 @@ class ScratchParallelStrategy(ParallelStrategy):
             used in an optimizer step is left untouched by that step (its gradient stays ``None``). Off (default): such
             a parameter raises an error naming it.
         broadcast_buffers: re-broadcast rank 0's buffers as torch DDP does ([Note: buffer broadcast]).
+        param_dtype, reduce_dtype: ``"bf16"``, ``"fp16"``, ``"fp32"``, a torch dtype, ``None`` (the module's own
+            dtype) or ``"auto"`` (default: from the Trainer's ``precision``); see [Note: precision policy] in
+            ``lightning_zero/precision.py``.
+        master_weights: under low precision, let the optimizer update fp32 master copies (default) instead of the
+            low-precision parameters themselves.
+        cast_module: under ``-mixed``, keep the module's parameters and floating-point buffers in the low-precision
+            dtype and cast floating-point inputs to it (DeepSpeed's ``bf16``/``fp16`` mode; half the parameter
+            memory). Needs a module whose forward never mixes that dtype with float32 tensors of its own.
     """
 
     strategy_name = "scratch"
+    shards_parameters = False  # ZeRO: param_dtype defaults to the low-precision dtype under "-mixed"
 
     def __init__(
         self,
@@ -157,9 +180,21 @@ class ScratchParallelStrategy(ParallelStrategy):
         start_method: str = "popen",
         find_unused_parameters: bool = False,
         broadcast_buffers: bool = True,
+        param_dtype: str | torch.dtype | None = DEFAULT,
+        reduce_dtype: str | torch.dtype | None = DEFAULT,
+        master_weights: bool = True,
+        cast_module: bool = False,
     ) -> None:
         check_flag("find_unused_parameters", find_unused_parameters)
         check_flag("broadcast_buffers", broadcast_buffers)
+        check_flag("master_weights", master_weights)
+        check_flag("cast_module", cast_module)
+        self._precision_settings = {
+            "param_dtype": parse_dtype("param_dtype", param_dtype),
+            "reduce_dtype": parse_dtype("reduce_dtype", reduce_dtype),
+            "master_weights": master_weights,
+            "cast_module": cast_module,
+        }
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -187,6 +222,8 @@ class ScratchParallelStrategy(ParallelStrategy):
         self._backward_sync_blocked = False
         self._forward_param_sync = True  # [Note: buffer broadcast]
         self._trainable_ids: set[int] | None = None  # the parameters the gradient engine was set up for
+        self._policy: PrecisionPolicy | None = None
+        self._cast_buffers: dict[str, torch.dtype] = {}  # buffers cast by the policy, with their own dtypes
 
     # ------------------------------------------------------------ topology
     @property
@@ -241,6 +278,8 @@ class ScratchParallelStrategy(ParallelStrategy):
                 f"process_group_backend='nccl' needs CUDA devices, but this run uses {self.root_device.type!r}:"
                 " use 'gloo' (or leave it unset) on CPU"
             )
+        self._policy = None  # the Trainer may have set another precision plugin: a bad setting fails here
+        self.precision_policy  # noqa: B018
         assert self.cluster_environment is not None
         if self._start_method == "popen":
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
@@ -273,6 +312,33 @@ class ScratchParallelStrategy(ParallelStrategy):
         self.model_to_device()
         broadcast_module_states(self.model)
         self._apply_layer_sync(trainer)
+
+    # ------------------------------------------------------------ precision
+    @property
+    def precision_policy(self) -> PrecisionPolicy:
+        """The dtypes of this run, from the strategy's settings and the Trainer's ``precision``."""
+        if self._policy is None:
+            precision = getattr(self.precision_plugin, "precision", "32-true")
+            self._policy = resolve_policy(str(precision), **self._precision_settings, sharded=self.shards_parameters)
+        return self._policy
+
+    def _setup_precision(self, trainer: pl.Trainer, cast_module: bool) -> None:
+        """At setup: the loss scaler made shard-aware; with ``cast_module`` (the engine casts the parameters) the
+        float buffers and the float inputs of every step cast too."""
+        plugin, policy = self.precision_plugin, self.precision_policy
+        if isinstance(plugin, MixedPrecision) and plugin.scaler is not None:
+            if not isinstance(plugin.scaler, ShardedGradScaler):
+                plugin.scaler = ShardedGradScaler.like(plugin.scaler)
+        if cast_module and policy.casts_module and self.lightning_module is not None:
+            self._cast_buffers.update(cast_buffers(self.lightning_module, policy.cast_dtype))
+            plugin.convert_input = partial(cast_floats, dtype=policy.cast_dtype)  # type: ignore[method-assign]
+
+    def _teardown_precision(self) -> None:
+        """Undo :meth:`_setup_precision`'s casts (the buffers get their own dtype back)."""
+        self.precision_plugin.__dict__.pop("convert_input", None)
+        if self._cast_buffers and self.lightning_module is not None:
+            restore_buffers(self.lightning_module, self._cast_buffers)
+        self._cast_buffers = {}
 
     # ------------------------------------------------------------ buffers and layer sync
     @property

@@ -74,6 +74,7 @@ class RobustDDPStrategy(ScratchParallelStrategy):
         attack_kwargs: the attack's parameters (``alie`` needs ``z``; ``label_flip`` needs ``num_classes``).
         byzantine_workers: global indices of the simulated Byzantine workers (default: the last ``f``).
         seed: seed of the generator behind ``bucketing`` and the ``gaussian`` attack (same on every rank).
+        master_weights: must stay ``False``: the robust pipeline aggregates and steps the module's own parameters.
         **kwargs: see :class:`~lightning_zero.strategies.base.ScratchParallelStrategy`.
     """
 
@@ -91,13 +92,14 @@ class RobustDDPStrategy(ScratchParallelStrategy):
         attack_kwargs: Mapping[str, Any] | None = None,
         byzantine_workers: Sequence[int] | None = None,
         seed: int = 0,
+        master_weights: bool = False,
         **kwargs: Any,
     ) -> None:
         check_workers(workers_per_rank, worker_momentum)
         self.aggregator = RobustAggregator(
             aggregator, f, aggregator_kwargs, pre_aggregators, attack, attack_kwargs, byzantine_workers, seed
         )
-        super().__init__(**kwargs)
+        super().__init__(master_weights=master_weights, **kwargs)
         self.workers_per_rank = workers_per_rank
         self.worker_momentum = worker_momentum
         self.last_result: AggregationResult | None = None
@@ -120,6 +122,23 @@ class RobustDDPStrategy(ScratchParallelStrategy):
     def _configure_launcher(self) -> None:
         self.aggregator.validate(self.num_workers)  # the Trainer is being built: no process has started yet
         super()._configure_launcher()
+        self._check_precision()
+
+    def _check_precision(self) -> None:
+        """The aggregation runs in the parameters' dtype, on the parameters themselves: no master copies, no
+        separate communication dtype (yet)."""
+        policy, settings = self.precision_policy, self._precision_settings
+        if policy.master_dtype is not None or policy.casts_module:
+            raise ValueError(
+                "robust_ddp_scratch keeps no fp32 master weights: leave master_weights=False and cast_module=False"
+                f" (with precision={self.precision_plugin.precision!r} the optimizer then updates the module's own"
+                " parameters, as under Lightning's ddp)"
+            )
+        if settings["reduce_dtype"] not in ("auto", None):
+            raise ValueError(
+                f"reduce_dtype={settings['reduce_dtype']} is not supported by robust_ddp_scratch: its workers' rows are"
+                " all-gathered in the parameters' dtype; leave it 'auto'"
+            )
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:

@@ -94,8 +94,11 @@ class ZeroStrategy(ScratchParallelStrategy):
             [Note: model construction] in ``lightning_zero/materialize.py``. The same rule decides whether the
             weights are gathered back into the module when a fit ends.
         **kwargs: see :class:`~lightning_zero.strategies.base.ScratchParallelStrategy` (``find_unused_parameters``,
-            ``broadcast_buffers``, ``process_group_backend``, ``timeout``, ``start_method``).
+            ``broadcast_buffers``, the precision settings ``param_dtype``, ``reduce_dtype``, ``cast_module`` and
+            ``master_weights``, ``process_group_backend``, ``timeout``, ``start_method``).
     """
+
+    shards_parameters = True
 
     def __init__(
         self,
@@ -223,6 +226,7 @@ class ZeroStrategy(ScratchParallelStrategy):
             self.setup_optimizers(trainer)
             self._check_one_optimizer()
             _optimizers_to_device(self.optimizers, self.root_device)
+            policy = self.precision_policy
             self._engine = ShardedOptimizer(
                 self.model,
                 self.optimizers[0],
@@ -230,11 +234,16 @@ class ZeroStrategy(ScratchParallelStrategy):
                 grad_sync=self.grad_sync,
                 bucket_cap_bytes=int(self.bucket_size_mb * 2**20),
                 find_unused_parameters=self.find_unused_parameters,
+                cast_dtype=policy.cast_dtype,
+                gather_dtype=policy.param_dtype,
+                master_dtype=policy.master_dtype,
+                reduce_dtype=policy.reduce_dtype,
             )
             self._record_trainable()
             # [Note: global-norm clipping] Lightning's Precision.clip_grad_by_norm takes the norm of the optimizer's
             # parameters' gradients, here this rank's shard only. Route it to the engine's global norm instead.
             self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm  # type: ignore[method-assign]
+        self._setup_precision(trainer, cast_module=trainer.state.fn == TrainerFn.FITTING)
         self.setup_precision_plugin()
 
     def _setup_stage3(self, trainer: pl.Trainer) -> None:
@@ -249,6 +258,7 @@ class ZeroStrategy(ScratchParallelStrategy):
                 f" {self.world_size}; save a checkpoint and load it into a fresh model instead"
             )
         if self._params is None:
+            policy = self.precision_policy
             self._params = ShardedParams(
                 self.model,
                 auto_wrap_policy=self.auto_wrap_policy,
@@ -259,6 +269,10 @@ class ZeroStrategy(ScratchParallelStrategy):
                 rng_state=self._init_rng_state,
                 timeout=self._timeout,
                 find_unused_parameters=self.find_unused_parameters,
+                cast_dtype=policy.cast_dtype,
+                gather_dtype=policy.param_dtype,
+                master_dtype=policy.master_dtype,
+                reduce_dtype=policy.reduce_dtype,
             )
         if trainer.state.fn == TrainerFn.FITTING:
             self._check_no_finetuning(trainer)
@@ -268,6 +282,7 @@ class ZeroStrategy(ScratchParallelStrategy):
             self._record_trainable()
             _optimizers_to_device(self.optimizers, self.root_device)
             self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm  # type: ignore[method-assign]
+        self._setup_precision(trainer, cast_module=True)  # the engine computes in param_dtype outside fits too
         self.setup_precision_plugin()
 
     def _check_no_finetuning(self, trainer: pl.Trainer) -> None:
@@ -437,26 +452,33 @@ class ZeroStrategy(ScratchParallelStrategy):
         # load_checkpoint already loaded a sharded checkpoint (in place), or any checkpoint into stage 3's shards.
         if not self._restored_sharded and self._params is None:
             super().load_model_state_dict(checkpoint, strict)
+        if self._engine is not None:
+            self._engine.sync_after_load()  # master shards and parameters agree again
 
     @override
     def teardown(self) -> None:
         # The engine outlives the fit: the optimizer stays sharded, and a ``trainer.save_checkpoint`` after ``fit``
         # must still gather the full optimizer state.
         self.precision_plugin.__dict__.pop("clip_grad_by_norm", None)
+        module = self.lightning_module
+        trainer = module._trainer if module is not None else None
+        succeeded = trainer is not None and trainer.state.status == TrainerStatus.RUNNING
         if self.stage != 3:
             if self._engine is not None:
+                if succeeded:
+                    self._engine.restore_masters()  # collective: not after an error
                 self._engine.remove()  # the model is whole again; only the reducer's hooks go
+            self._teardown_precision()
             self._revert_layer_sync()
             return super().teardown()
         # Stage 3 ([Note: reading sharded parameters] in lightning_zero/sharded_params.py): the full weights go back
         # into the module on the CPU, as Lightning's ddp leaves them, when they fit there. Not after an error: the
         # gather is collective, and the rank that failed may be the only one here.
-        params, trainer = self._params, self.lightning_module._trainer if self.lightning_module is not None else None
-        succeeded = trainer is not None and trainer.state.status == TrainerStatus.RUNNING
-        cpu = torch.device("cpu")
+        params, cpu = self._params, torch.device("cpu")
         release = params is not None and succeeded and not params.released
         if release and self._whole_model_fits(params.full_nbytes, cpu, self.num_processes):
             sp_state.release(params, cpu)
+            self._teardown_precision()
             self._revert_layer_sync()
             return super().teardown()
         # Otherwise the model stays sharded where it is, hooks included, so ``trainer.test`` or a forward after fit

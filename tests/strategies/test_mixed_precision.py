@@ -1,0 +1,371 @@
+"""Mixed precision on every strategy of ours ([Note: precision policy] in ``lightning_zero/precision.py``).
+
+One pair of gloo worker processes runs every fit; the tests compare them with
+
+- a **single-process reference** in plain PyTorch that applies the same precision rules: fp32 master weights updated
+  by the optimizer, the values forward sees rounded to ``param_dtype`` (and, under ``-true``, held in it), each rank's
+  gradient computed on its own batch and accumulated in fp32, the ranks' gradients averaged in ``reduce_dtype``.
+  It replays what the strategies do operation for operation, so the tolerance is float summation order (the global
+  gradient norm of clipping is summed per shard): :data:`TOLERANCE`.
+- **Lightning's** ``ddp`` at the same ``precision``: loss curves within :data:`LOSS_TOLERANCE` (a bf16 rounding of
+  the parameters where Lightning's autocast leaves non-matmul weights in fp32, and no master weights under
+  ``-true``, where Lightning's optimizer updates bf16 parameters).
+
+``16-mixed`` runs with a ``GradScaler`` passed in a plugin (on CPU Lightning turns ``16-mixed`` into ``bf16-mixed``).
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.plugins.precision import MixedPrecision
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from lightning_zero import collectives as comm
+from lightning_zero.precision import ShardedGradScaler
+from lightning_zero.sharded_params import ShardedParams
+from tests.helpers.equivalence import make_strategy, max_diff
+from tests.helpers.parity import quiet_trainer
+from tests.helpers.workers import run_workers
+
+TOLERANCE = 2e-6
+LOSS_TOLERANCE = 2e-2
+WORLD, BATCH, STEPS, SEED = 2, 4, 6, 7
+CLIP = 0.5
+INIT_SCALE = 2.0**10
+STRATEGIES = ("ddp_scratch", "zero1_scratch", "zero2_scratch", "zero3_scratch")
+PRECISIONS = ("bf16-mixed", "16-mixed", "bf16-true", "16-true")
+LOW = {"bf16": torch.bfloat16, "16": torch.float16}
+
+
+def _data() -> TensorDataset:
+    g = torch.Generator().manual_seed(1234)
+    x = torch.randn(WORLD * BATCH * STEPS, 6, generator=g)
+    return TensorDataset(x, x[:, :1] * 2 - x[:, 1:2] + 0.1 * torch.randn(len(x), 1, generator=g))
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(SEED)
+    return nn.Sequential(nn.Linear(6, 32), nn.LayerNorm(32), nn.GELU(), nn.Linear(32, 16), nn.Tanh(), nn.Linear(16, 1))
+
+
+def _optimizer(params) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
+
+
+class MPModule(L.LightningModule):
+    """A regression MLP with LayerNorm; ``inject`` = ``(step, rank)`` puts an inf into that rank's gradient shard."""
+
+    def __init__(self, inject: tuple[int, int] | None = None) -> None:
+        super().__init__()
+        self.net = _net()
+        self.inject = inject
+        self.losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.mse_loss(self.net(x).float(), y.float())
+        self.losses.append(loss.item())
+        return loss
+
+    def on_after_backward(self) -> None:
+        if self.inject is not None and self.inject == (self.global_step, self.global_rank):
+            _first_grad(self.trainer.strategy, self)[0] = float("inf")
+
+    def configure_optimizers(self):
+        return _optimizer(self.parameters())
+
+
+def _first_grad(strategy, module) -> torch.Tensor:
+    """Where this rank holds the first piece of the averaged gradient: ZeRO's shard, else a parameter's."""
+    engine = getattr(strategy, "engine", None)
+    if engine is not None:
+        return next(s.grad for s in engine.shard_params if s.grad is not None and s.grad.numel())
+    masters = getattr(strategy, "_masters", {})
+    reducer = strategy.reducer
+    p = next(iter(module.parameters()))
+    grad = reducer.grad_of(p) if masters else p.grad
+    return grad.view(-1)
+
+
+class MasterRecorder(L.Callback):
+    """The communication of the training steps alone (setup and teardown gather too), and at the end of training
+    (before teardown) the fp32 values the optimizer updates, by parameter name."""
+
+    def on_train_start(self, trainer, pl_module):
+        comm.LEDGER.reset()
+
+    def on_train_end(self, trainer, pl_module):
+        self.ledger = comm.LEDGER.summary()
+        self.masters = _masters(trainer.strategy, pl_module)
+
+
+def _masters(strategy, module) -> dict[str, torch.Tensor]:
+    """ZeRO: every rank's master shards gathered (collective); ``ddp_scratch``: its master copies; else the
+    parameters."""
+    out: dict[str, torch.Tensor] = {}
+    engine = getattr(strategy, "engine", None)
+    if isinstance(engine, ShardedParams):
+        for s in engine.segments:
+            out.update(zip(s.names, s.gather_values(s.shard, None)))
+    elif engine is not None:
+        for g in engine.groups:
+            full = torch.empty(g.layout.padded_numel, dtype=g.shard.dtype)
+            comm.all_gather(full, g.shard.detach())
+            out.update({n: full.narrow(0, o, p.numel()) for n, p, o in zip(g.names, g.params, g.layout.offsets)})
+    else:
+        names = {id(p): n for n, p in module.named_parameters()}
+        pairs = [pair for masters in getattr(strategy, "_masters", {}).values() for pair in masters.pairs]
+        out = {names[id(p)]: m for p, m in pairs} or dict(module.named_parameters())
+    return {k.removeprefix("net."): v.detach().float().clone().view(module.get_parameter(k).shape) for k, v in out.items()}
+
+
+# ---------------------------------------------------------------- the runs
+def _trainer_kwargs(precision: str) -> dict:
+    if precision == "16-mixed":  # Lightning builds no scaler on CPU, and picks bf16 without a plugin
+        return {"plugins": [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=INIT_SCALE))]}
+    return {"precision": precision}
+
+
+def _fit(name: str, precision: str, inject=None, **strategy_kwargs) -> dict:
+    L.seed_everything(SEED, verbose=False)
+    module = MPModule(inject)
+    recorder = MasterRecorder()
+    trainer = quiet_trainer(
+        make_strategy(name, **strategy_kwargs),
+        max_steps=STEPS,
+        gradient_clip_val=CLIP,
+        callbacks=[recorder],
+        **_trainer_kwargs(precision),
+    )
+    trainer.fit(module, DataLoader(_data(), batch_size=BATCH))
+    engine = getattr(trainer.strategy, "engine", None)
+    with engine.summon_full_params() if hasattr(engine, "summon_full_params") else nullcontext():
+        state = {k: v.detach().float().clone() for k, v in module.net.state_dict().items()}
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    return {
+        "masters": recorder.masters,
+        "state": state,
+        "losses": module.losses,
+        "scale": scaler.get_scale() if scaler is not None else None,
+        "dtypes": {k: v.dtype for k, v in module.net.state_dict().items()},
+        "ledger": recorder.ledger,
+    }
+
+
+def _plain_scaler_unscale(self, optimizer):  # the bug being fixed: each rank's own verdict
+    return torch.amp.GradScaler.unscale_(self, optimizer)
+
+
+def _all_runs() -> dict:
+    runs = {}
+    for precision in PRECISIONS:
+        runs[("ddp", precision)] = _fit("ddp", precision)
+        for name in STRATEGIES:
+            runs[(name, precision)] = _fit(name, precision)
+    for name in STRATEGIES:
+        runs[(name, "bf16-mixed", "reduce_bf16")] = _fit(name, "bf16-mixed", reduce_dtype="bf16")
+        runs[(name, "bf16-mixed", "cast_module")] = _fit(name, "bf16-mixed", cast_module=True)
+        runs[(name, "16-mixed", "inject")] = _fit(name, "16-mixed", inject=(2, 1))
+    for name in ("zero1_scratch", "zero2_scratch", "zero3_scratch"):
+        runs[(name, "bf16-mixed", "param_fp32")] = _fit(name, "bf16-mixed", param_dtype=None)
+        runs[(name, "32-true")] = _fit(name, "32-true")
+    original = ShardedGradScaler.unscale_
+    ShardedGradScaler.unscale_ = _plain_scaler_unscale
+    try:
+        runs[("zero2_scratch", "16-mixed", "inject_plain_scaler")] = _fit("zero2_scratch", "16-mixed", inject=(2, 1))
+    finally:
+        ShardedGradScaler.unscale_ = original
+    return runs
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return run_workers(_all_runs, WORLD, timeout=900)
+
+
+# ---------------------------------------------------------------- the reference
+@dataclass(frozen=True)
+class Rules:
+    """The precision rules of one run, as :func:`lightning_zero.precision.resolve_policy` decides them."""
+
+    autocast: torch.dtype | None  # -mixed: Lightning's autocast dtype
+    compute: torch.dtype  # the dtype the module's parameters are held in
+    rounded: torch.dtype | None  # the dtype the values forward sees are rounded to (param_dtype)
+    reduce: torch.dtype = torch.float32
+    scaler: bool = False
+
+
+def rules_of(name: str, precision: str, variant: str | None = None) -> Rules:
+    low = LOW[precision.split("-")[0]]
+    if precision.endswith("-true"):
+        return Rules(None, low, low)
+    zero = name.startswith("zero")
+    if variant == "cast_module":
+        return Rules(low, low, low)
+    rounded = low if zero and variant != "param_fp32" else None
+    reduce = torch.bfloat16 if variant == "reduce_bf16" else torch.float32
+    return Rules(low, torch.float32, rounded, reduce, scaler=precision == "16-mixed")
+
+
+def _rank_batches() -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Step k's batch of each rank under Lightning's shuffling ``DistributedSampler`` (seed = the global seed)."""
+    data = _data()
+    out = []
+    for rank in range(WORLD):
+        sampler = DistributedSampler(data, num_replicas=WORLD, rank=rank, shuffle=True, seed=SEED)
+        sampler.set_epoch(0)
+        indices = list(sampler)
+        out.append([data[indices[k * BATCH : (k + 1) * BATCH]] for k in range(STEPS)])
+    return out
+
+
+def reference(rules: Rules, inject_step: int | None = None) -> dict[str, Any]:
+    """One process, the same arithmetic (see the module docstring), on one thread as each worker runs: the
+    reductions inside kernels (LayerNorm's weight gradient) sum in another order on two threads, and bf16 turns
+    that last-bit difference into a visible one."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _reference(rules, inject_step)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _reference(rules: Rules, inject_step: int | None) -> dict[str, Any]:
+    net = _net()
+    # Under -true Lightning casts the module before the strategy sees it: the masters start from the cast values.
+    start = rules.compute if rules.autocast is None else torch.float32
+    masters = [p.detach().to(start).float().clone() for p in net.parameters()]
+    for m in masters:
+        m.requires_grad_(True)
+    optimizer = _optimizer(masters)
+    scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE) if rules.scaler else None
+    net.to(rules.compute)
+    batches = _rank_batches()
+    for step in range(STEPS):
+        with torch.no_grad():
+            for p, m in zip(net.parameters(), masters):
+                p.copy_(m.to(rules.rounded) if rules.rounded is not None else m)
+        per_rank = []
+        for rank in range(WORLD):
+            x, y = (t.to(rules.compute) for t in batches[rank][step])  # as the precision plugin casts inputs
+            net.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", dtype=rules.autocast) if rules.autocast else nullcontext():
+                loss = F.mse_loss(net(x).float(), y.float())
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+            per_rank.append([p.grad.float() for p in net.parameters()])
+        for m, grads in zip(masters, zip(*per_rank)):
+            total = grads[0].to(rules.reduce) + grads[1].to(rules.reduce)
+            m.grad = (total / WORLD).float()
+        if step == inject_step:
+            masters[0].grad.view(-1)[0] = float("inf")
+        if scaler is not None:
+            scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(masters, CLIP)
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    names = [name for name, _ in net.named_parameters()]
+    return {"masters": dict(zip(names, (m.detach().clone() for m in masters))), "scale": scaler and scaler.get_scale()}
+
+
+# ---------------------------------------------------------------- tests
+def _variants(name: str) -> list[tuple]:
+    keys = [(name, precision) for precision in PRECISIONS]
+    keys += [(name, "bf16-mixed", v) for v in ("reduce_bf16", "cast_module", "param_fp32")]
+    return keys
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_matches_a_reference_with_the_same_precision_rules(runs, name):
+    """Every precision and setting: the master weights equal the reference's, on every rank."""
+    for key in _variants(name):
+        if key not in runs[0]:
+            continue  # param_dtype=None: ddp_scratch's own default under -mixed, already covered
+        expected = reference(rules_of(*key))["masters"]
+        for rank_runs in runs:
+            difference = max_diff(rank_runs[key]["masters"], expected)
+            assert difference <= TOLERANCE, (key, difference)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_the_module_holds_the_master_values_after_fit_in_its_own_dtype(runs, name):
+    for key in _variants(name):
+        if key not in runs[0]:
+            continue
+        precision = key[1]
+        dtype = torch.float32 if precision.endswith("mixed") else LOW[precision.split("-")[0]]
+        for rank_runs in runs:
+            run = rank_runs[key]
+            assert set(run["dtypes"].values()) == {dtype}, (key, run["dtypes"])
+            rounded = {k: v.to(dtype).float() for k, v in run["masters"].items()}
+            assert max_diff(run["state"], rounded) == 0, key
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed", "bf16-true"])
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_loss_curve_close_to_lightning_ddp(runs, name, precision):
+    ours, peer = runs[0][(name, precision)]["losses"], runs[0][("ddp", precision)]["losses"]
+    assert len(ours) == len(peer) == STEPS
+    assert max(abs(a - b) for a, b in zip(ours, peer)) <= LOSS_TOLERANCE, (ours, peer)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_16_true_trains_where_lightning_ddp_without_masters_does_not(runs, name):
+    """AdamW's eps=1e-8 is 0 in fp16: Lightning's ddp, which updates the fp16 parameters, divides by zero."""
+    peer = torch.tensor(runs[0][("ddp", "16-true")]["losses"])
+    assert not torch.isfinite(peer).all(), peer
+    ours = torch.tensor(runs[0][(name, "16-true")]["losses"])
+    assert torch.isfinite(ours).all(), ours
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(runs, name):
+    """An inf in rank 1's gradient shard at step 2 only: every rank skips that step and halves its scale alike,
+    and the weights equal a reference that skips the same step."""
+    key = (name, "16-mixed", "inject")
+    expected = reference(rules_of(name, "16-mixed"), inject_step=2)
+    assert {rank_runs[key]["scale"] for rank_runs in runs} == {expected["scale"]} == {INIT_SCALE / 2}
+    for rank_runs in runs:
+        assert max_diff(rank_runs[key]["masters"], expected["masters"]) <= TOLERANCE
+    assert max_diff(runs[0][key]["masters"], runs[0][(name, "16-mixed")]["masters"]) > 1e-4  # the step was skipped
+
+
+@pytest.mark.timeout(900)
+def test_a_per_rank_scaler_would_let_the_ranks_diverge(runs):
+    """The counterfactual: GradScaler's own unscale_ sees only this rank's shard, so rank 1 alone skips."""
+    key = ("zero2_scratch", "16-mixed", "inject_plain_scaler")
+    assert [rank_runs[key]["scale"] for rank_runs in runs] == [INIT_SCALE, INIT_SCALE / 2]
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", ["zero1_scratch", "zero2_scratch", "zero3_scratch"])
+def test_parameters_gathered_in_param_dtype_gradients_reduced_in_reduce_dtype(runs, name):
+    """The ledger: bf16-mixed gathers half the bytes of 32-true; gradients go in fp32 unless reduce_dtype=bf16."""
+
+    def sent(key, op, tag):
+        return runs[0][key]["ledger"].get((op, tag), (0, 0))[1]
+
+    reduce_op = "reduce_scatter" if name == "zero3_scratch" else "all_reduce"
+    fp32, mixed, low = (name, "32-true"), (name, "bf16-mixed"), (name, "bf16-mixed", "reduce_bf16")
+    assert sent(fp32, "all_gather", "params") > 0
+    assert sent(mixed, "all_gather", "params") == sent(fp32, "all_gather", "params") // 2
+    assert sent(fp32, reduce_op, "grads") > 0
+    assert sent(mixed, reduce_op, "grads") == sent(fp32, reduce_op, "grads")
+    assert sent(low, reduce_op, "grads") == sent(fp32, reduce_op, "grads") // 2
