@@ -17,6 +17,7 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_zero.materialize import MODEL_INIT_MODES
+from lightning_zero.precision import parse_dtype, resolve_policy, unified_precision
 from lightning_zero.robust.aggregation import RobustAggregator
 from lightning_zero.sharded_optimizer import GRAD_SYNC_MODES
 from lightning_zero.strategies.base import START_METHODS
@@ -44,6 +45,14 @@ def _check_common(backend: Optional[str], timeout: float, start_method: str) -> 
         raise ConfigError(f"start_method={start_method!r} is invalid: expected one of {START_METHODS}")
 
 
+def _check_precision_settings(schema: Any) -> None:
+    try:
+        parse_dtype("param_dtype", schema.param_dtype)
+        parse_dtype("reduce_dtype", schema.reduce_dtype)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
 def _check_bucket(bucket_size_mb: float) -> None:
     if bucket_size_mb <= 0:
         raise ConfigError(f"bucket_size_mb={bucket_size_mb!r} is invalid: expected a number of MiB > 0")
@@ -57,6 +66,10 @@ class ScratchDDPStrategyConf:
     bucket_size_mb: float = 25.0
     find_unused_parameters: bool = False
     broadcast_buffers: bool = True
+    param_dtype: Optional[str] = "auto"
+    reduce_dtype: Optional[str] = "auto"
+    master_weights: bool = True
+    cast_module: bool = False
     process_group_backend: Optional[str] = None
     timeout: float = 1800.0
     start_method: str = "popen"
@@ -64,6 +77,7 @@ class ScratchDDPStrategyConf:
     def __post_init__(self) -> None:
         _check_bucket(self.bucket_size_mb)
         _check_common(self.process_group_backend, self.timeout, self.start_method)
+        _check_precision_settings(self)
 
 
 @dataclass
@@ -80,6 +94,10 @@ class ZeroStrategyConf:
     model_init: str = "auto"
     find_unused_parameters: bool = False
     broadcast_buffers: bool = True
+    param_dtype: Optional[str] = "auto"
+    reduce_dtype: Optional[str] = "auto"
+    master_weights: bool = True
+    cast_module: bool = False
     process_group_backend: Optional[str] = None
     timeout: float = 1800.0
     start_method: str = "popen"
@@ -106,6 +124,7 @@ class ZeroStrategyConf:
                 f" model_init={self.model_init!r}"
             )
         _check_common(self.process_group_backend, self.timeout, self.start_method)
+        _check_precision_settings(self)
 
 
 @dataclass
@@ -127,6 +146,10 @@ class RobustDDPStrategyConf:
     seed: int = 0
     find_unused_parameters: bool = False
     broadcast_buffers: bool = True
+    param_dtype: Optional[str] = "auto"
+    reduce_dtype: Optional[str] = "auto"
+    master_weights: bool = False
+    cast_module: bool = False
     process_group_backend: Optional[str] = None
     timeout: float = 1800.0
     start_method: str = "popen"
@@ -138,6 +161,7 @@ class RobustDDPStrategyConf:
             raise ConfigError(str(err)) from None
         self.aggregator_pipeline()
         _check_common(self.process_group_backend, self.timeout, self.start_method)
+        _check_precision_settings(self)
 
     def aggregator_pipeline(self) -> RobustAggregator:
         """The aggregator these settings build (unknown names and parameters raise :class:`ConfigError`)."""
@@ -222,6 +246,23 @@ def validate_config(cfg: DictConfig) -> None:
         _check_model_parallel(strategy, trainer.get("devices", "auto"), num_nodes)
     if isinstance(schema, RobustDDPStrategyConf):
         _check_robust(schema, trainer.get("devices", "auto"), num_nodes)
+    if schema is not None:
+        _check_precision(schema, trainer.get("precision", "32-true"))
+
+
+def _check_precision(schema: Any, precision: Any) -> None:
+    """The precision settings against ``trainer.precision`` (the strategy resolves the same policy at run time)."""
+    try:
+        resolve_policy(
+            unified_precision(precision),
+            param_dtype=schema.param_dtype,
+            reduce_dtype=schema.reduce_dtype,
+            master_weights=schema.master_weights,
+            cast_module=schema.cast_module,
+            sharded=isinstance(schema, ZeroStrategyConf),
+        )
+    except ValueError as err:
+        raise ConfigError(f"strategy ({schema._target_}) with trainer.precision={precision!r}: {err}") from None
 
 
 def _check_robust(schema: RobustDDPStrategyConf, devices: Any, num_nodes: int) -> None:

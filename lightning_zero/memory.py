@@ -6,7 +6,8 @@ only what no gradient covers. ``p.grad`` is read explicitly (a ``gc`` walk would
 until read).
 
 Reference floors for fp32 AdamW, Ψ trainable parameters, N ranks: DDP 16Ψ, ZeRO-1 8Ψ + 8Ψ/N, ZeRO-2 4Ψ + 12Ψ/N,
-ZeRO-3 16Ψ/N bytes.
+ZeRO-3 16Ψ/N bytes; :func:`zero_model_state_bytes` computes them for any bytes per element (the ZeRO paper's
+mixed-precision Adam: 16Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N, 16Ψ/N).
 
 :func:`strategy_model_state_bytes` counts what a Lightning strategy holds on this rank: lightning_zero's strategies
 say it themselves (``strategy.model_state_bytes()``, strategy buffers included); for any other strategy the module's
@@ -38,6 +39,30 @@ class ModelStateBytes:
     def as_dict(self) -> dict[str, int]:
         """``{"params", "grads", "optimizer", "strategy_buffers", "total"}`` in bytes."""
         return {**asdict(self), "total": self.total}
+
+
+def zero_model_state_bytes(
+    stage: int,
+    psi: float,
+    world_size: int,
+    *,
+    param_bytes: float = 2,
+    grad_bytes: float = 2,
+    optimizer_bytes: float = 12,
+) -> float:
+    """Model-state bytes per rank under ZeRO ``stage`` (0: plain data parallelism), as the ZeRO paper counts them
+    (Rajbhandari et al. 2020, section 3): ``param_bytes`` and ``grad_bytes`` per element of the parameters and
+    gradients the model computes with, ``optimizer_bytes`` (K) per element of what the optimizer keeps (for Adam,
+    fp32 master weights, momentum and variance: K = 12; without master weights K = 8). Stage 1 shards the K term,
+    stage 2 the gradients too, stage 3 everything. The defaults are the paper's mixed-precision Adam; fp32 AdamW is
+    ``param_bytes=4, grad_bytes=4, optimizer_bytes=8``."""
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage={stage!r} is invalid: expected 0 (DDP), 1, 2 or 3")
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size!r} is invalid: expected an integer >= 1")
+    params, grads, optimizer = param_bytes * psi, grad_bytes * psi, optimizer_bytes * psi
+    sharded = (optimizer, optimizer + grads, optimizer + grads + params)[stage - 1] if stage else 0
+    return params + grads + optimizer - sharded + sharded / world_size
 
 
 def _optimizer_tensors(optimizers: Iterable[torch.optim.Optimizer]) -> Iterable[Tensor]:

@@ -62,6 +62,15 @@ DTYPE_NAMES = {
 LOW_PRECISION = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16, "bf16-true": torch.bfloat16, "16-true": torch.float16}
 """Lightning's low-precision ``precision`` values and the dtype each computes in."""
 
+_LEGACY_PRECISION = {"bf16": "bf16-mixed", "16": "16-mixed", "32": "32-true", "64": "64-true"}
+
+
+def unified_precision(value: Any) -> str:
+    """A Trainer ``precision`` value in Lightning's unified spelling (``16`` -> ``"16-mixed"``, ``"bf16"`` ->
+    ``"bf16-mixed"``, ``32`` -> ``"32-true"``)."""
+    return _LEGACY_PRECISION.get(str(value), str(value))
+
+
 DEFAULT = "auto"
 """A setting left to the default of the Trainer's precision (``None`` is a value: "the module's dtype")."""
 
@@ -210,7 +219,8 @@ class MasterWeights:
     def add_to_state_dict(self, state: dict[str, Any]) -> None:
         """Each master's value as ``"master"`` in ``optimizer.state_dict()``'s entry of its parameter."""
         for number, (_, master) in enumerate(self.pairs):  # state_dict numbers the params in group order, as here
-            state["state"].setdefault(number, {})["master"] = master.detach().clone()
+            # A new entry: state_dict()'s entries are the optimizer's live per-parameter dicts.
+            state["state"][number] = {**state["state"].get(number, {}), "master": master.detach().clone()}
 
     def load_from_state_dict(self, state: dict[str, Any]) -> None:
         """Pop the ``"master"`` entries of a loaded optimizer state into the masters and, rounded, the parameters;

@@ -72,6 +72,7 @@ from lightning_zero.precision import (
     parse_dtype,
     resolve_policy,
     restore_buffers,
+    unified_precision,
 )
 from lightning_zero.sync_batchnorm import ScratchSyncBatchNorm
 
@@ -318,8 +319,8 @@ class ScratchParallelStrategy(ParallelStrategy):
     def precision_policy(self) -> PrecisionPolicy:
         """The dtypes of this run, from the strategy's settings and the Trainer's ``precision``."""
         if self._policy is None:
-            precision = getattr(self.precision_plugin, "precision", "32-true")
-            self._policy = resolve_policy(str(precision), **self._precision_settings, sharded=self.shards_parameters)
+            precision = unified_precision(getattr(self.precision_plugin, "precision", "32-true"))
+            self._policy = resolve_policy(precision, **self._precision_settings, sharded=self.shards_parameters)
         return self._policy
 
     def _setup_precision(self, trainer: pl.Trainer, cast_module: bool) -> None:

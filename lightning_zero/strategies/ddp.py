@@ -70,10 +70,16 @@ class ScratchDDPStrategy(ScratchParallelStrategy):
         return self._reducer.buffers if self._reducer is not None else []
 
     @override
+    def model_state_params(self) -> list[Tensor]:
+        """The module's parameters plus their fp32 master copies when the optimizer steps those."""
+        return super().model_state_params() + [m for masters in self._masters.values() for _, m in masters.pairs]
+
+    @override
     def setup(self, trainer: pl.Trainer) -> None:
         self._setup_replicas(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
+            self._masters = {}
             originals = self._cast_params()
             self._build_reducer()
             self.setup_optimizers(trainer)
@@ -176,7 +182,7 @@ class ScratchDDPStrategy(ScratchParallelStrategy):
         if self.precision_policy.casts_module:
             for masters in self._masters.values():
                 masters.restore_dtype()
-        self._masters = {}
+        # The masters outlive the fit, as ZeRO's shards do: a checkpoint saved after fit carries them.
         self._teardown_precision()
         self._revert_layer_sync()
         super().teardown()

@@ -29,6 +29,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_zero import collectives as comm
+from lightning_zero.memory import zero_model_state_bytes
 from lightning_zero.precision import ShardedGradScaler
 from lightning_zero.sharded_params import ShardedParams
 from tests.helpers.equivalence import make_strategy, max_diff
@@ -38,6 +39,7 @@ from tests.helpers.workers import run_workers
 TOLERANCE = 2e-6
 LOSS_TOLERANCE = 2e-2
 WORLD, BATCH, STEPS, SEED = 2, 4, 6, 7
+EPOCH = STEPS // 2  # batches per rank and epoch: the resume tests checkpoint at the end of the first epoch
 CLIP = 0.5
 INIT_SCALE = 2.0**10
 STRATEGIES = ("ddp_scratch", "zero1_scratch", "zero2_scratch", "zero3_scratch")
@@ -47,7 +49,7 @@ LOW = {"bf16": torch.bfloat16, "16": torch.float16}
 
 def _data() -> TensorDataset:
     g = torch.Generator().manual_seed(1234)
-    x = torch.randn(WORLD * BATCH * STEPS, 6, generator=g)
+    x = torch.randn(WORLD * BATCH * EPOCH, 6, generator=g)
     return TensorDataset(x, x[:, :1] * 2 - x[:, 1:2] + 0.1 * torch.randn(len(x), 1, generator=g))
 
 
@@ -104,7 +106,11 @@ class MasterRecorder(L.Callback):
 
     def on_train_end(self, trainer, pl_module):
         self.ledger = comm.LEDGER.summary()
-        self.masters = _masters(trainer.strategy, pl_module)
+        strategy = trainer.strategy
+        self.memory = strategy.model_state_bytes() if hasattr(strategy, "model_state_bytes") else None
+        reducer = getattr(getattr(strategy, "engine", None), "reducer", None)
+        self.pool = sum(b.nbytes for b in reducer.buffers) if reducer is not None and reducer.transient else 0
+        self.masters = _masters(strategy, pl_module)
 
 
 def _masters(strategy, module) -> dict[str, torch.Tensor]:
@@ -134,18 +140,23 @@ def _trainer_kwargs(precision: str) -> dict:
     return {"precision": precision}
 
 
-def _fit(name: str, precision: str, inject=None, **strategy_kwargs) -> dict:
+def _fit(
+    name: str, precision: str, inject=None, steps: int = STEPS, resume=None, save=None, **strategy_kwargs
+) -> dict:
+    """A fit of ``steps`` optimizer steps (resumed from the checkpoint ``resume``; saving one to ``save``)."""
     L.seed_everything(SEED, verbose=False)
     module = MPModule(inject)
     recorder = MasterRecorder()
     trainer = quiet_trainer(
         make_strategy(name, **strategy_kwargs),
-        max_steps=STEPS,
+        max_epochs=steps // EPOCH,
         gradient_clip_val=CLIP,
         callbacks=[recorder],
         **_trainer_kwargs(precision),
     )
-    trainer.fit(module, DataLoader(_data(), batch_size=BATCH))
+    trainer.fit(module, DataLoader(_data(), batch_size=BATCH), ckpt_path=resume)
+    if save is not None:
+        trainer.save_checkpoint(save)
     engine = getattr(trainer.strategy, "engine", None)
     with engine.summon_full_params() if hasattr(engine, "summon_full_params") else nullcontext():
         state = {k: v.detach().float().clone() for k, v in module.net.state_dict().items()}
@@ -157,6 +168,9 @@ def _fit(name: str, precision: str, inject=None, **strategy_kwargs) -> dict:
         "scale": scaler.get_scale() if scaler is not None else None,
         "dtypes": {k: v.dtype for k, v in module.net.state_dict().items()},
         "ledger": recorder.ledger,
+        "memory": recorder.memory,
+        "pool": recorder.pool,
+        "psi": sum(p.numel() for p in module.parameters() if p.requires_grad),
     }
 
 
@@ -164,8 +178,20 @@ def _plain_scaler_unscale(self, optimizer):  # the bug being fixed: each rank's 
     return torch.amp.GradScaler.unscale_(self, optimizer)
 
 
-def _all_runs() -> dict:
+def _resumed(name: str, precision: str, directory: str, **strategy_kwargs) -> dict:
+    """Half the steps, a checkpoint, then a fresh module and Trainer resumed from it for the other half."""
+    path = f"{directory}/{name}-{precision}-{strategy_kwargs.get('state_dict_type', 'plain')}.ckpt"
+    _fit(name, precision, steps=STEPS // 2, save=path, **strategy_kwargs)
+    return _fit(name, precision, resume=path, **strategy_kwargs)
+
+
+def _all_runs(directory: str) -> dict:
     runs = {}
+    for precision in ("bf16-mixed", "16-mixed", "bf16-true"):
+        runs[("ddp_scratch", precision, "resumed")] = _resumed("ddp_scratch", precision, directory)
+        for name in ("zero1_scratch", "zero2_scratch", "zero3_scratch"):
+            for kind in ("sharded", "full"):
+                runs[(name, precision, f"resumed_{kind}")] = _resumed(name, precision, directory, state_dict_type=kind)
     for precision in PRECISIONS:
         runs[("ddp", precision)] = _fit("ddp", precision)
         for name in STRATEGIES:
@@ -187,8 +213,8 @@ def _all_runs() -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs():
-    return run_workers(_all_runs, WORLD, timeout=900)
+def runs(tmp_path_factory):
+    return run_workers(_all_runs, WORLD, str(tmp_path_factory.mktemp("mixed_precision")), timeout=900)
 
 
 # ---------------------------------------------------------------- the reference
@@ -216,14 +242,18 @@ def rules_of(name: str, precision: str, variant: str | None = None) -> Rules:
 
 
 def _rank_batches() -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
-    """Step k's batch of each rank under Lightning's shuffling ``DistributedSampler`` (seed = the global seed)."""
+    """Step k's batch of each rank under Lightning's shuffling ``DistributedSampler`` (seed = the global seed,
+    reshuffled each epoch)."""
     data = _data()
     out = []
     for rank in range(WORLD):
         sampler = DistributedSampler(data, num_replicas=WORLD, rank=rank, shuffle=True, seed=SEED)
-        sampler.set_epoch(0)
-        indices = list(sampler)
-        out.append([data[indices[k * BATCH : (k + 1) * BATCH]] for k in range(STEPS)])
+        batches = []
+        for step in range(STEPS):
+            sampler.set_epoch(step // EPOCH)
+            k = step % EPOCH
+            batches.append(data[list(sampler)[k * BATCH : (k + 1) * BATCH]])
+        out.append(batches)
     return out
 
 
@@ -369,3 +399,49 @@ def test_parameters_gathered_in_param_dtype_gradients_reduced_in_reduce_dtype(ru
     assert sent(fp32, reduce_op, "grads") > 0
     assert sent(mixed, reduce_op, "grads") == sent(fp32, reduce_op, "grads")
     assert sent(low, reduce_op, "grads") == sent(fp32, reduce_op, "grads") // 2
+
+
+def _paper_terms(key: tuple) -> tuple[int, float, float, float]:
+    """ZeRO stage and bytes per element (params, grads, optimizer K) that each configuration keeps: gradients
+    accumulate in fp32 (4); K = 8 (AdamW's moments) plus 4 when fp32 master weights are kept apart; the unsharded
+    parameters in the module's dtype (4, or 2 when cast); under ZeRO-3 the fp32 shard is the master (K = 8)."""
+    name, precision, variant = (*key, None)[:3]
+    stage = 0 if name == "ddp_scratch" else int(name[4])
+    low_module = precision.endswith("-true") or variant == "cast_module"
+    masters = stage in (1, 2) and variant != "param_fp32" or low_module
+    if stage == 3:
+        return 3, 4, 4, 8
+    return stage, 2 if low_module else 4, 4, 12 if masters else 8
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_model_state_bytes_follow_the_zero_accounting(runs, name):
+    """Measured per rank by the memory ledger: the formula of ``lightning_zero.memory.zero_model_state_bytes`` for
+    the bytes each configuration keeps, within 1% (padding, AdamW's step counters, a ZeRO-3 placeholder), plus
+    ZeRO-2's two pooled gradient buckets."""
+    for key in _variants(name):
+        if key not in runs[0]:
+            continue
+        stage, params, grads, optimizer = _paper_terms(key)
+        for rank_runs in runs:
+            run = rank_runs[key]
+            expected = zero_model_state_bytes(
+                stage, run["psi"], WORLD, param_bytes=params, grad_bytes=grads, optimizer_bytes=optimizer
+            )
+            measured = run["memory"].total - run["pool"]
+            assert measured == pytest.approx(expected, rel=0.01), (key, run["memory"], expected)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed", "bf16-true"])
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_resuming_is_bit_identical(runs, name, precision):
+    """The fp32 master weights travel in the checkpoint (ZeRO: sharded and full), with the optimizer and scaler."""
+    kinds = ["resumed"] if name == "ddp_scratch" else ["resumed_sharded", "resumed_full"]
+    for rank_runs in runs:
+        whole = rank_runs[(name, precision)]
+        for kind in kinds:
+            resumed = rank_runs[(name, precision, kind)]
+            assert max_diff(resumed["masters"], whole["masters"]) == 0, (kind, max_diff(resumed["masters"], whole["masters"]))
+            assert resumed["scale"] == whole["scale"]
