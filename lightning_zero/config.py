@@ -21,7 +21,7 @@ from lightning_zero.precision import parse_dtype, resolve_policy, unified_precis
 from lightning_zero.robust.aggregation import RobustAggregator
 from lightning_zero.sharded_optimizer import GRAD_SYNC_MODES
 from lightning_zero.strategies.base import START_METHODS
-from lightning_zero.strategies.robust import check_workers
+from lightning_zero.strategies.robust import check_precision_settings, check_workers
 from lightning_zero.strategies.zero import STAGES, STATE_DICT_TYPES
 
 # Hydra's structured configs need ``Optional[...]`` (not ``X | None``) on Python 3.10.
@@ -253,6 +253,8 @@ def validate_config(cfg: DictConfig) -> None:
 def _check_precision(schema: Any, precision: Any) -> None:
     """The precision settings against ``trainer.precision`` (the strategy resolves the same policy at run time)."""
     try:
+        if isinstance(schema, RobustDDPStrategyConf):
+            check_precision_settings(schema.param_dtype, schema.reduce_dtype, schema.master_weights, schema.cast_module)
         resolve_policy(
             unified_precision(precision),
             param_dtype=schema.param_dtype,

@@ -4,41 +4,45 @@ Runbook::
 
     Trainer(devices=2, strategy="zero3_scratch", precision="bf16-mixed")   # the defaults below
     ZeroStrategy(stage=2, reduce_dtype="bf16")                             # halve the gradient bytes too
-    ZeroStrategy(stage=1, param_dtype=None)                                # bf16-mixed as Lightning's ddp runs it
-    ScratchDDPStrategy(master_weights=False)                               # bf16-true without an fp32 copy
+    ZeroStrategy(stage=1, param_dtype=None)                                # bf16-mixed exactly as Lightning's ddp
+    ZeroStrategy(stage=2, cast_module=True)                                # DeepSpeed's bf16 mode: 2 bytes/param
+    ScratchDDPStrategy(master_weights=False)                               # bf16-true without fp32 masters
 
 [Note: precision policy] In the spirit of FSDP2's ``MixedPrecisionPolicy``, with DeepSpeed's fp32 master weights.
-Four dtypes decide a strategy's arithmetic (:class:`PrecisionPolicy`):
+:class:`PrecisionPolicy` holds four dtypes:
 
-- ``param_dtype``: the dtype of the *unsharded* parameters, the ones forward computes with. ZeRO-1/2 all-gather the
-  updated shards in it (into module parameters of that dtype), ZeRO-3 gathers each unit in it. ``None``: the
-  module's own dtype (the engines change nothing).
-- ``buffer_dtype``: floating-point buffers (positional tables, BatchNorm statistics), so that a module whose
-  parameters were cast never mixes dtypes in one op (CPU kernels refuse that: ``layer_norm`` of a float32 input with
-  a bfloat16 weight). Default: ``param_dtype``.
-- ``reduce_dtype``: the dtype gradients are communicated (averaged) in.
-- ``master_dtype``: the dtype the optimizer updates: a *master shard* kept apart from low-precision parameters
-  (ZeRO: this rank's shard; ``ddp_scratch``: every parameter). Gradients are accumulated across micro-batches in it.
-  ``None``: the optimizer updates the parameters themselves.
+- ``param_dtype``: the parameters are communicated in it and the module computes with their values rounded to it.
+  ZeRO-1/2 all-gather the updated shards in it, ZeRO-3 gathers each unit in it (half the bytes of fp32 in bf16).
+  The module's parameters keep their own dtype (fp32 under ``-mixed``), so any module that runs under Lightning's
+  ``ddp`` at that precision runs here: Lightning's autocast computes the matmuls in bf16 as it would, and the other
+  ops see bf16-rounded weights. ``None``: nothing is rounded (Lightning's ``ddp`` arithmetic, bit for bit).
+- ``reduce_dtype``: the dtype gradients are averaged in (a copy per bucket or unit; the result is cast back).
+- ``master_dtype``: fp32 *master weights*, the values the optimizer updates, kept apart from parameters that are
+  rounded or stored in low precision (ZeRO: this rank's shard, so the extra is 4Ψ/N; ``ddp_scratch``: every
+  parameter). Gradients accumulate across micro-batches in it. Checkpoints carry the masters (the ZeRO-3 shards are
+  them; ZeRO-1/2 and ``ddp_scratch`` add each parameter's ``"master"`` to the optimizer state, as DeepSpeed keeps its
+  fp32 partitions), so a resume is bit-identical; a fit hands the masters back into the module, in its own dtype.
+- ``cast_dtype`` (``cast_module=True``, ``-mixed`` only): keep the module's parameters and floating-point buffers in
+  the low-precision dtype and cast floating-point inputs to it, as DeepSpeed's ``bf16``/``fp16`` modes do: the ZeRO
+  paper's 2 bytes per parameter. It needs a module whose forward never mixes that dtype with float32 tensors of its
+  own: Lightning's demo ``Transformer`` adds a float32 positional table to bf16 embeddings, and CPU ``layer_norm``
+  then refuses a bf16 weight ("mixed dtype (CPU)").
 
-Defaults from the Trainer's ``precision`` (every setting can be overridden on the strategy):
+Defaults from the Trainer's ``precision``; a strategy setting overrides each:
 
-======================  ==================================  ============  ============  =============
-precision               param_dtype (computed, gathered)    reduce_dtype  accumulated   stored/updated
-======================  ==================================  ============  ============  =============
-``32-true``             module's (fp32)                     fp32          fp32          fp32
-``bf16-mixed``          ZeRO: bf16; ``ddp_scratch``: fp32   fp32          fp32          fp32 master
-``16-mixed``            ZeRO: fp16; ``ddp_scratch``: fp32   fp32          fp32          fp32 master
-``bf16-true``           bf16 (Lightning casts the module)   fp32          fp32          fp32 master
-``16-true``             fp16 (Lightning casts the module)   fp32          fp32          fp32 master
-======================  ==================================  ============  ============  =============
+===============  ====================================  ============  ===========  ==========================
+precision        computed in / param_dtype              reduced in    accumulated  stored / updated
+===============  ====================================  ============  ===========  ==========================
+``32-true``      fp32 / none                            fp32          fp32         fp32 parameters
+``bf16-mixed``   autocast bf16 / ZeRO bf16, DDP none    fp32          fp32         fp32 (ZeRO: fp32 master)
+``16-mixed``     autocast fp16 / ZeRO fp16, DDP none    fp32          fp32         fp32 (ZeRO: fp32 master)
+``bf16-true``    bf16 (Lightning casts the module)      fp32          fp32         bf16 params + fp32 master
+``16-true``      fp16 (Lightning casts the module)      fp32          fp32         fp16 params + fp32 master
+===============  ====================================  ============  ===========  ==========================
 
-Under ``-mixed`` Lightning's autocast still wraps forward; ZeRO's default casts parameters, float buffers and float
-inputs to ``param_dtype`` as DeepSpeed does for its ``bf16``/``fp16`` modes (so ZeRO's memory is the ZeRO paper's:
-2Ψ of low-precision parameters instead of 4Ψ); ``ddp_scratch`` keeps the module in fp32 exactly as Lightning's
-``ddp`` (autocast computes in bf16, and fp32 parameters are their own master). ``param_dtype=None`` gives any ZeRO
-stage Lightning's ``ddp`` arithmetic instead. After a fit the module is handed back in its own dtype, holding the
-master values.
+``16-mixed`` scales the loss: :class:`ShardedGradScaler` replaces the plugin's ``GradScaler`` so that an inf/NaN in
+any rank's shard makes every rank skip the step and back off alike. ``robust_ddp_scratch`` aggregates and steps the
+module's own parameters: no masters, no ``cast_module``, no ``reduce_dtype``.
 """
 
 from __future__ import annotations
@@ -77,8 +81,10 @@ DEFAULT = "auto"
 
 def parse_dtype(setting: str, value: Any) -> torch.dtype | None:
     """``"bf16"``/``"fp16"``/``"fp32"`` (or their torch names, or a ``torch.dtype``) to a dtype; ``None`` stays."""
-    if value is None or value is DEFAULT:
-        return value
+    if value is None:
+        return None
+    if isinstance(value, str) and value == DEFAULT:
+        return DEFAULT
     if isinstance(value, torch.dtype) and value in DTYPE_NAMES.values():
         return value
     if isinstance(value, str) and value in DTYPE_NAMES:

@@ -115,6 +115,19 @@ def test_callbacks_and_logger_instantiate(compose_cfg, tmp_path: Path) -> None:
         (["trainer.devices=0"], "trainer.devices=0 is invalid: expected an integer >= 1"),
         (["trainer.num_nodes=0"], "trainer.num_nodes=0 is invalid"),
         (["+trainer.max_stepz=3"], "trainer has unknown keys ['max_stepz']"),
+        (["strategy.reduce_dtype=int8"], "reduce_dtype='int8' is invalid: expected 'auto', one of ['bf16'"),
+        (
+            ["strategy=zero2_scratch", "strategy.param_dtype=bf16", "trainer.precision=32-true"],
+            "with trainer.precision='32-true': param_dtype=torch.bfloat16 needs a low-precision Trainer precision",
+        ),
+        (
+            ["strategy=ddp_scratch", "strategy.param_dtype=bf16", "trainer.precision=bf16-mixed"],
+            "this strategy gathers none: pass cast_module=True",
+        ),
+        (
+            ["strategy=robust_ddp_scratch", "strategy.cast_module=true", "trainer.precision=bf16-mixed"],
+            "robust_ddp_scratch keeps no fp32 master weights",
+        ),
     ],
 )
 def test_bad_values_fail_validation_with_a_clear_message(compose_cfg, overrides: list[str], message: str) -> None:

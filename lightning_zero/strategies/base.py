@@ -56,7 +56,8 @@ from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from typing_extensions import override
@@ -327,6 +328,15 @@ class ScratchParallelStrategy(ParallelStrategy):
         """At setup: the loss scaler made shard-aware; with ``cast_module`` (the engine casts the parameters) the
         float buffers and the float inputs of every step cast too."""
         plugin, policy = self.precision_plugin, self.precision_policy
+        rounds = isinstance(plugin, MixedPrecision) and policy.param_dtype is not None and not policy.casts_module
+        if rounds and self._precision_settings["param_dtype"] == DEFAULT:
+            rank_zero_warn(
+                f"{self.strategy_name} with precision={plugin.precision!r} communicates the parameters in"
+                f" param_dtype={policy.param_dtype} and the module computes with their rounded values, so the weights"
+                " differ from Lightning's ddp by that rounding (fp32 master weights are updated). Pass"
+                " param_dtype=None for ddp's arithmetic, or param_dtype='bf16'/'fp16' to silence this.",
+                category=PossibleUserWarning,
+            )
         if isinstance(plugin, MixedPrecision) and plugin.scaler is not None:
             if not isinstance(plugin.scaler, ShardedGradScaler):
                 plugin.scaler = ShardedGradScaler.like(plugin.scaler)

@@ -55,6 +55,24 @@ def check_workers(workers_per_rank: Any, worker_momentum: Any) -> None:
         raise ValueError(f"worker_momentum={worker_momentum!r} is invalid: expected a number in [0, 1)")
 
 
+def check_precision_settings(
+    param_dtype: Any = "auto", reduce_dtype: Any = "auto", master_weights: bool = False, cast_module: bool = False
+) -> None:
+    """The aggregation runs in the parameters' dtype, on the parameters themselves: no master copies, no cast of
+    the module, no separate communication dtype (shared with the Hydra schema in :mod:`lightning_zero.config`)."""
+    if master_weights or cast_module or param_dtype not in ("auto", None):
+        raise ValueError(
+            "robust_ddp_scratch keeps no fp32 master weights: leave master_weights=False, cast_module=False and"
+            " param_dtype='auto' (under any precision the optimizer then updates the module's own parameters, as"
+            " under Lightning's ddp)"
+        )
+    if reduce_dtype not in ("auto", None):
+        raise ValueError(
+            f"reduce_dtype={reduce_dtype} is not supported by robust_ddp_scratch: its workers' rows are all-gathered in"
+            " the parameters' dtype; leave it 'auto'"
+        )
+
+
 class RobustDDPStrategy(ScratchParallelStrategy):
     """Data parallelism with a robust aggregation rule over ``n = workers_per_rank x world_size`` workers.
 
@@ -125,20 +143,7 @@ class RobustDDPStrategy(ScratchParallelStrategy):
         self._check_precision()
 
     def _check_precision(self) -> None:
-        """The aggregation runs in the parameters' dtype, on the parameters themselves: no master copies, no
-        separate communication dtype (yet)."""
-        policy, settings = self.precision_policy, self._precision_settings
-        if policy.master_dtype is not None or policy.casts_module:
-            raise ValueError(
-                "robust_ddp_scratch keeps no fp32 master weights: leave master_weights=False and cast_module=False"
-                f" (with precision={self.precision_plugin.precision!r} the optimizer then updates the module's own"
-                " parameters, as under Lightning's ddp)"
-            )
-        if settings["reduce_dtype"] not in ("auto", None):
-            raise ValueError(
-                f"reduce_dtype={settings['reduce_dtype']} is not supported by robust_ddp_scratch: its workers' rows are"
-                " all-gathered in the parameters' dtype; leave it 'auto'"
-            )
+        check_precision_settings(**self._precision_settings)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:

@@ -16,6 +16,7 @@ One pair of gloo worker processes runs every fit; the tests compare them with
 
 from __future__ import annotations
 
+import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -154,7 +155,9 @@ def _fit(
         callbacks=[recorder],
         **_trainer_kwargs(precision),
     )
-    trainer.fit(module, DataLoader(_data(), batch_size=BATCH), ckpt_path=resume)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module, DataLoader(_data(), batch_size=BATCH), ckpt_path=resume)
     if save is not None:
         trainer.save_checkpoint(save)
     engine = getattr(trainer.strategy, "engine", None)
@@ -171,6 +174,7 @@ def _fit(
         "memory": recorder.memory,
         "pool": recorder.pool,
         "psi": sum(p.numel() for p in module.parameters() if p.requires_grad),
+        "warned": any("differ from Lightning's ddp" in str(w.message) for w in caught),
     }
 
 
@@ -445,3 +449,14 @@ def test_resuming_is_bit_identical(runs, name, precision):
             resumed = rank_runs[(name, precision, kind)]
             assert max_diff(resumed["masters"], whole["masters"]) == 0, (kind, max_diff(resumed["masters"], whole["masters"]))
             assert resumed["scale"] == whole["scale"]
+
+
+@pytest.mark.timeout(900)
+def test_rounding_parameters_is_announced_unless_asked_for(runs):
+    """The default param_dtype of ZeRO under -mixed changes the arithmetic from ddp's: one warning on rank 0."""
+    for name in ("zero1_scratch", "zero2_scratch", "zero3_scratch"):
+        assert runs[0][(name, "bf16-mixed")]["warned"], name
+        assert not runs[1][(name, "bf16-mixed")]["warned"]  # rank_zero_warn
+        for quiet in ((name, "bf16-mixed", "param_fp32"), (name, "bf16-true"), (name, "32-true")):
+            assert not runs[0][quiet]["warned"], quiet
+    assert not runs[0][("ddp_scratch", "bf16-mixed")]["warned"]

@@ -98,6 +98,24 @@ def test_bad_zero_settings_raise_one_clear_value_error(kwargs, message):
         ZeroStrategy(**kwargs)
 
 
+@pytest.mark.parametrize(
+    ("strategy", "kwargs", "trainer_kwargs", "message"),
+    [
+        (ZeroStrategy, {"param_dtype": "int8"}, {}, r"param_dtype='int8' is invalid: expected 'auto', one of"),
+        (ScratchDDPStrategy, {"master_weights": "yes"}, {}, "master_weights='yes' is invalid: expected True or False"),
+        (ZeroStrategy, {"param_dtype": "bf16"}, {}, "needs a low-precision Trainer precision"),
+        (ZeroStrategy, {"param_dtype": "fp16"}, {"precision": "bf16-true"}, "conflicts with precision='bf16-true'"),
+        (ScratchDDPStrategy, {"param_dtype": "bf16"}, {"precision": "bf16-mixed"}, "this strategy gathers none"),
+        (RobustDDPStrategy, {"master_weights": True}, {"precision": "bf16-true"}, "keeps no fp32 master weights"),
+        (RobustDDPStrategy, {"reduce_dtype": "bf16"}, {}, "reduce_dtype=torch.bfloat16 is not supported"),
+    ],
+)
+def test_bad_precision_settings_fail_while_the_trainer_is_built(strategy, kwargs, trainer_kwargs, message):
+    """Against the Trainer's precision, before any process starts."""
+    with pytest.raises(ValueError, match=message):
+        L.Trainer(accelerator="cpu", devices=2, strategy=strategy(**kwargs), **trainer_kwargs)
+
+
 def test_nccl_on_cpu_is_rejected_while_the_trainer_is_built():
     with pytest.raises(ValueError, match="process_group_backend='nccl' needs CUDA devices, but this run uses 'cpu'"):
         L.Trainer(accelerator="cpu", devices=2, strategy=ScratchDDPStrategy(process_group_backend="nccl"))
