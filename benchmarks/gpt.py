@@ -18,9 +18,11 @@ needs no mask buffer.
 
 ``GPTLightningModule`` builds its ``GPT`` in ``configure_model()`` (unless already built), the hook where sharded
 strategies take over: under Lightning's ``ModelParallelStrategy`` it then applies FSDP2 ``fully_shard`` to every
-``Block`` and to the root model, on the ``"data_parallel"`` dimension of the strategy's device mesh. The weights are
-those of a ``GPT`` built at ``GPTLightningModule(...)`` time: the CPU RNG state is captured there and restored (in a
-forked RNG) for the build, so they do not depend on what drew random numbers in between.
+``Block`` and to the root model, on the ``"data_parallel"`` dimension of the strategy's device mesh, with FSDP2's
+``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)`` when the Trainer's ``precision`` is
+``"bf16-mixed"`` (fp32 otherwise). The weights are those of a ``GPT`` built at ``GPTLightningModule(...)`` time: the
+CPU RNG state is captured there and restored (in a forked RNG) for the build, so they do not depend on what drew
+random numbers in between.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.utils.data import TensorDataset
 
 
@@ -176,9 +178,15 @@ class GPTLightningModule(L.LightningModule):
                 self.model = GPT(self.config)
         mesh = self.device_mesh  # set only by Lightning's ModelParallelStrategy
         if mesh is not None and not isinstance(self.model, FSDPModule):
+            policy = MixedPrecisionPolicy()  # FSDP2's default: fp32 throughout
+            if self.trainer.precision == "bf16-mixed":
+                # Lightning's bf16-mixed plugin only adds autocast around the fp32 model, which FSDP2 would still
+                # gather in fp32. This gathers bf16 copies of the fp32 shards, as lightning_zero's ZeRO stages do
+                # under bf16-mixed, and reduces the gradients in fp32, as they do.
+                policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
             for block in self.model.blocks:
-                fully_shard(block, mesh=mesh["data_parallel"])
-            fully_shard(self.model, mesh=mesh["data_parallel"])
+                fully_shard(block, mesh=mesh["data_parallel"], mp_policy=policy)
+            fully_shard(self.model, mesh=mesh["data_parallel"], mp_policy=policy)
 
     def forward(self, idx: Tensor) -> Tensor:
         if self.model is None:

@@ -1,4 +1,4 @@
-"""Optimizer-step time of lightning_zero's strategies against their peers, plus model-state bytes against the floors.
+"""Optimizer-step time of lightning_zero's strategies against their peers, plus model-state bytes against the formulas.
 
 Runbook (2 CPU ranks, gloo, one thread each; each full run takes several minutes on a 2-core machine)::
 
@@ -8,15 +8,19 @@ Runbook (2 CPU ranks, gloo, one thread each; each full run takes several minutes
     torchrun --nproc_per_node 2 benchmarks/step_time.py --candidates zero1_scratch zero2_scratch ddp ddp_zero_redundancy
     # ZeRO-3 figures: zero3_scratch vs FSDP2 (fully_shard under Lightning's ModelParallelStrategy), ddp and nocomm
     torchrun --nproc_per_node 2 benchmarks/step_time.py --candidates zero3_scratch fsdp2 ddp nocomm
+    # Mixed-precision figures: all four of ours vs Lightning ddp and FSDP2, every candidate at bf16-mixed; the same
+    # candidates without --precision (32-true) give the fp32 figures to compare with
+    C="ddp_scratch zero1_scratch zero2_scratch zero3_scratch ddp fsdp2"
+    torchrun --nproc_per_node 2 benchmarks/step_time.py --precision bf16-mixed --candidates $C
     # smoke run (seconds; takes --candidates as above)
     torchrun --nproc_per_node 2 benchmarks/step_time.py --preset tiny --steps 4 --warmup 1 --rounds 1
 
-Protocol: in one torchrun launch, each round fits the *same* model (same seed,
-same init, same data, ``AdamW(fused=True)``) for ``--steps`` optimizer steps under every candidate in turn
-(A B C A B C ...), so machine drift hits all candidates alike. Each optimizer step is timed from
-``on_train_batch_start`` to ``on_train_batch_end``; the first ``--warmup`` steps of every fit are dropped. A step's
-time is the slowest rank's time for that step (the step is not done until every rank is). Only ratios measured
-within one run are meaningful: absolute times move ~20% between runs on this machine.
+Protocol: in one torchrun launch, each round fits the *same* model (same seed, same init, same data,
+``AdamW(fused=True)``, the Trainer's ``precision=--precision``) for ``--steps`` optimizer steps under every candidate in
+turn (A B C A B C ...), so machine drift hits all candidates alike. Each optimizer step is timed from
+``on_train_batch_start`` to ``on_train_batch_end``; the first ``--warmup`` steps of every fit are dropped. A step's time
+is the slowest rank's time for that step (the step is not done until every rank is). Only ratios measured within one run
+are meaningful: absolute times move ~20% between runs on this machine.
 
 Candidates:
 
@@ -31,7 +35,7 @@ Candidates:
   ``ZeroRedundancyOptimizer`` (``GPTLightningModule(zero_redundancy=True)``): the peer of ``zero1_scratch``.
 - ``fsdp2``: Lightning's ``ModelParallelStrategy(data_parallel_size=N, tensor_parallel_size=1)``; the module's
   ``configure_model`` applies torch's FSDP2 ``fully_shard`` to every transformer ``Block``, then to the root model
-  (defaults: ``reshard_after_forward=True``, fp32), on the mesh's ``"data_parallel"`` dimension. The same
+  (default ``reshard_after_forward=True``), on the mesh's ``"data_parallel"`` dimension. The same
   ``AdamW(fused=True)`` steps the DTensor parameter shards: the fused CPU kernel handles DTensors (checked on torch
   2.13 against an unsharded model), so every candidate keeps the fused optimizer. The peer of ``zero3_scratch``.
 - ``zero3_scratch``: :class:`lightning_zero.ZeroStrategy` with ``stage=3`` and ``auto_wrap_policy={Block}`` (each
@@ -39,30 +43,45 @@ Candidates:
   device in ``configure_model`` and materialised with each module's ``reset_parameters()`` (so its initial weights
   differ from the other candidates', which does not change the step time).
 
+Precision (``--precision``, default ``32-true``): under ``bf16-mixed`` Lightning's ``MixedPrecision`` plugin runs every
+candidate's forward under CPU autocast to bf16. lightning_zero's strategies take their default policy from it
+([Note: precision policy] in ``lightning_zero/precision.py``): gradients reduced and accumulated in fp32; the ZeRO
+stages gather the parameters in bf16 and the module computes with their rounded values (they warn once about it, on
+stderr), with fp32 master shards. ``fsdp2`` gets FSDP2's
+``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)`` in ``configure_model``, the same rules:
+without it FSDP2 would gather fp32 under autocast. ``ModelParallelStrategy`` also accepts ``bf16-true``, but there
+Lightning casts the module to bf16 before sharding, so shards, gradients and AdamW's moments are bf16 with no fp32
+master: not the peer of the ZeRO stages.
+
 Columns ``vs ddp``, ``vs nocomm``, ``vs ddp_zero_redundancy`` and ``vs fsdp2`` (each only when that candidate runs) are
 ratios of median step times.
 
 Memory: at ``on_train_end`` of every fit (before teardown), the per-rank model-state bytes are counted with
 :func:`lightning_zero.memory.strategy_model_state_bytes` (params, grads, optimizer state, strategy buffers; each storage
-once, in that order; the same count as the ``RunStats`` callback's) and compared with the floor for fp32 AdamW, Ψ
-trainable parameters, N ranks: ``ddp_scratch`` (and Lightning ``ddp``) 16Ψ, ``zero1_scratch`` (and
-``ddp_zero_redundancy``) 8Ψ + 8Ψ/N (4Ψ params + 4Ψ grads + 8Ψ/N Adam), ``zero2_scratch`` 4Ψ + 12Ψ/N (4Ψ + 4Ψ/N + 8Ψ/N),
-``zero3_scratch`` and ``fsdp2`` 16Ψ/N (4Ψ/N + 4Ψ/N + 8Ψ/N). The ratio is printed for params + grads + optimizer and for
-the total; the two differ by the strategy buffers that no gradient aliases (zero2's two-bucket pool). For
-lightning_zero's candidates the strategy counts itself (``strategy.model_state_bytes()``): for the ZeRO candidates the
-parameters include the engine's shard parameters and the buffers are ``engine.strategy_buffers`` (with stage 2's default
-``grad_sync="microbatch"`` the gradient is the shard accumulator, ``shard.grad``). For Lightning's ``ddp`` and
-``ddp_zero_redundancy`` the strategy buffers of torch's C++ DDP reducer (~4Ψ of buckets) are not visible from Python and
-are left out; ``ddp_zero_redundancy``'s optimizer state is that of its local optimizer (``.optim``). ``fsdp2``'s
-parameters, gradients and AdamW moments are DTensors: their local shards (``DTensor.to_local()``, padded as FSDP2 pads
-them) are counted; its all-gather/reduce-scatter buffers are internal and transient (freed between steps), so no
+once, in that order; the same count as the ``RunStats`` callback's) and compared with the ZeRO paper's accounting,
+:func:`lightning_zero.memory.zero_model_state_bytes`, for Ψ trainable parameters, N ranks, each candidate's stage
+(:data:`STAGES`) and the bytes per element it keeps at ``--precision`` (:data:`STATE_BYTES`: params, grads, optimizer
+K). ``32-true``, fp32 AdamW (4, 4, 8), gives the floors: ``ddp_scratch`` (and Lightning ``ddp``) 16Ψ, ``zero1_scratch``
+(and ``ddp_zero_redundancy``) 8Ψ + 8Ψ/N (4Ψ params + 4Ψ grads + 8Ψ/N Adam), ``zero2_scratch`` 4Ψ + 12Ψ/N
+(4Ψ + 4Ψ/N + 8Ψ/N), ``zero3_scratch`` and ``fsdp2`` 16Ψ/N (4Ψ/N + 4Ψ/N + 8Ψ/N). ``bf16-mixed`` (the README's table in
+"Mixed precision") is the same except for ``zero1_scratch`` and ``zero2_scratch``, whose fp32 master shard makes K = 12:
+8Ψ + 12Ψ/N and 4Ψ + 16Ψ/N. The ratio is printed for params + grads + optimizer and for the total; the two differ by the
+strategy buffers that no gradient aliases (zero2's two-bucket pool). For lightning_zero's candidates the strategy counts
+itself (``strategy.model_state_bytes()``): for the ZeRO candidates the parameters include the engine's shard parameters
+and the buffers are ``engine.strategy_buffers`` (with stage 2's default ``grad_sync="microbatch"`` the gradient is the
+shard accumulator, ``shard.grad``). For Lightning's ``ddp`` and ``ddp_zero_redundancy`` the strategy buffers of torch's
+C++ DDP reducer (~4Ψ of buckets) are not visible from Python and are left out; ``ddp_zero_redundancy``'s optimizer state
+is that of its local optimizer (``.optim``). ``fsdp2``'s parameters, gradients and AdamW moments are DTensors: their
+local shards (``DTensor.to_local()``, padded as FSDP2 pads them) are counted; its all-gather/reduce-scatter buffers
+(and, under ``bf16-mixed``, its bf16 unsharded parameters) are internal and transient (freed between steps), so no
 strategy buffers are reported. ``nocomm`` is not measured (same tensors as ``ddp_scratch``).
 
 Traffic: :data:`lightning_zero.collectives.LEDGER` gives the bytes per optimizer step of the gradient reduction (tag
-``"grads"``, all-reduce or reduce-scatter of the buckets, input bytes) for the lightning_zero candidates, against 4Ψ,
-and of the parameter all-gather (tag ``"params"``, output bytes) for the ZeRO candidates: after the step for stages 1
-and 2, against 4Ψ; before each unit's forward and again before its backward for stage 3, against 8Ψ. Lightning's
-candidates (``ddp``, ``ddp_zero_redundancy``, ``fsdp2``) bypass the ledger.
+``"grads"``, all-reduce or reduce-scatter of the buckets, input bytes) for the lightning_zero candidates, against 4Ψ
+(fp32 at both precisions), and of the parameter all-gather (tag ``"params"``, output bytes) for the ZeRO candidates, in
+their default ``param_dtype`` (b = 4 bytes under ``32-true``, 2 under ``bf16-mixed``): after the step for stages 1 and
+2, against bΨ; before each unit's forward and again before its backward for stage 3, against 2bΨ. Lightning's candidates
+(``ddp``, ``ddp_zero_redundancy``, ``fsdp2``) bypass the ledger.
 
 The process group is created by the first fit and reused by every later one: Lightning's ``_init_dist_connection`` (used
 by ``DDPStrategy``, ``ModelParallelStrategy`` and by lightning_zero's strategies) returns early when
@@ -83,7 +102,6 @@ import statistics
 import sys
 import time
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,7 +113,8 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_zero import ScratchDDPStrategy, ZeroStrategy
 from lightning_zero.collectives import LEDGER
-from lightning_zero.memory import ModelStateBytes, strategy_model_state_bytes
+from lightning_zero.memory import ModelStateBytes, strategy_model_state_bytes, zero_model_state_bytes
+from lightning_zero.precision import LOW_PRECISION
 
 try:  # run as a script, sys.path[0] is benchmarks/; imported from the repo root, it is a namespace package
     from benchmarks.gpt import GPT, PRESETS, Block, GPTConfig, GPTLightningModule, random_token_dataset
@@ -116,24 +135,34 @@ DEFAULT_CANDIDATES = ("ddp_scratch", "ddp", "nocomm")  # the DDP figures; indepe
 PEERS = ("ddp", "nocomm", "ddp_zero_redundancy", "fsdp2")  # ratio columns, when present
 ZERO_CANDIDATES = ("zero1_scratch", "zero2_scratch", "zero3_scratch")
 LEDGER_CANDIDATES = ("ddp_scratch", *ZERO_CANDIDATES)  # communicate through lightning_zero.collectives
-# Parameter all-gather bytes per optimizer step, in units of Ψ bytes: once after the step (stages 1 and 2), before
-# each unit's forward and again before its backward (stage 3).
-PARAM_GATHER_PSI = {"zero1_scratch": 4, "zero2_scratch": 4, "zero3_scratch": 8}
+PRECISIONS = ("32-true", "bf16-mixed")  # those the model-state table below covers
+# Parameter all-gathers per optimizer step, in units of Ψ elements: once after the step (stages 1 and 2), before each
+# unit's forward and again before its backward (stage 3). Each element is sent in the stages' default param_dtype.
+PARAM_GATHERS = {"zero1_scratch": 1, "zero2_scratch": 1, "zero3_scratch": 2}
 # Candidates whose strategy buffers are not visible from Python, and why.
 HIDDEN_BUFFERS = {
     "ddp": "C++ DDP buckets",
     "ddp_zero_redundancy": "C++ DDP buckets",
     "fsdp2": "FSDP2's transient communication buffers",
 }
-# Model-state floor per rank in units of Ψ bytes (fp32 params, grads, AdamW's two moments), N = world size.
-FLOORS: dict[str, Callable[[int], float]] = {
-    "ddp_scratch": lambda n: 16,
-    "ddp": lambda n: 16,
-    "zero1_scratch": lambda n: 8 + 8 / n,
-    "ddp_zero_redundancy": lambda n: 8 + 8 / n,
-    "zero2_scratch": lambda n: 4 + 12 / n,
-    "zero3_scratch": lambda n: 16 / n,
-    "fsdp2": lambda n: 16 / n,
+# Model states per rank as the ZeRO paper counts them (lightning_zero.memory.zero_model_state_bytes): the stage
+# (0: plain data parallelism) that shards each candidate's states ...
+STAGES = {
+    "ddp_scratch": 0,
+    "ddp": 0,
+    "zero1_scratch": 1,
+    "ddp_zero_redundancy": 1,
+    "zero2_scratch": 2,
+    "zero3_scratch": 3,
+    "fsdp2": 3,
+}
+# ... and the bytes per element it keeps (params, grads, optimizer K). 32-true: fp32 AdamW, 4, 4, 8. bf16-mixed (the
+# README's table): the modules stay fp32 and gradients accumulate in fp32; ZeRO-1/2 keep an fp32 master shard apart
+# from the parameters they gather in bf16 (K = 12), ZeRO-3's fp32 shard is the master and ddp_scratch's fp32
+# parameters are; Lightning's ddp only adds autocast, and FSDP2's MixedPrecisionPolicy keeps fp32 shards.
+STATE_BYTES = {
+    "32-true": dict.fromkeys(STAGES, (4, 4, 8)),
+    "bf16-mixed": {**dict.fromkeys(STAGES, (4, 4, 8)), "zero1_scratch": (4, 4, 12), "zero2_scratch": (4, 4, 12)},
 }
 MIB = 2**20
 
@@ -246,12 +275,13 @@ def fit_once(
     L.seed_everything(args.seed, verbose=False)  # same init and same DistributedSampler order for every candidate
     module = GPTLightningModule(PRESETS[args.preset], zero_redundancy=name == "ddp_zero_redundancy")
     timer = StepTimer()
-    probe = CommProbe(measure_memory=name in FLOORS)
+    probe = CommProbe(measure_memory=name in STAGES)
     trainer = L.Trainer(
         accelerator="cpu",
         devices=devices,
         num_nodes=num_nodes,
         strategy=make_strategy(name, args.bucket_size_mb, devices * num_nodes),
+        precision=args.precision,
         max_steps=args.steps,
         logger=False,
         enable_checkpointing=False,
@@ -282,7 +312,8 @@ def reproduce_command(args: argparse.Namespace, nproc: int) -> str:
     return (
         f"torchrun --nproc_per_node {nproc} {script} --preset {args.preset} --steps {args.steps}"
         f" --warmup {args.warmup} --rounds {args.rounds} --batch-size {args.batch_size}"
-        f" --bucket-size-mb {args.bucket_size_mb:g} --seed {args.seed} --candidates {' '.join(args.candidates)}"
+        f" --bucket-size-mb {args.bucket_size_mb:g} --seed {args.seed} --precision {args.precision}"
+        f" --candidates {' '.join(args.candidates)}"
     )
 
 
@@ -297,6 +328,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--bucket-size-mb", type=float, default=25.0, help="bucket cap (MiB) of ddp_scratch, nocomm and zero*_scratch"
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--precision", choices=PRECISIONS, default="32-true", help="the Trainer's precision, for every candidate"
+    )
     parser.add_argument(
         "--candidates",
         nargs="+",
@@ -340,7 +374,7 @@ def main(argv: list[str] | None = None) -> None:
         print(
             f"torch {torch.__version__}, lightning {L.__version__}, {world} ranks x {torch.get_num_threads()} thread,"
             f" preset {args.preset} ({config.n_layer}L x {config.n_embd}, vocab {config.vocab_size},"
-            f" T={config.block_size}), {args.batch_size} seq/rank, fp32, AdamW(fused=True)",
+            f" T={config.block_size}), {args.batch_size} seq/rank, {args.precision}, AdamW(fused=True)",
             flush=True,
         )
 
@@ -368,7 +402,7 @@ def main(argv: list[str] | None = None) -> None:
     local_times = {name: r.times for name, r in results.items()}
     gathered: list[dict[str, list[float]]] = [{} for _ in range(world)]
     dist.all_gather_object(gathered, local_times)
-    memories = {name: [s.memory for s in r.stats] for name, r in results.items() if name in FLOORS}
+    memories = {name: [s.memory for s in r.stats] for name, r in results.items() if name in STAGES}
     gathered_memory: list[dict[str, list[ModelStateBytes | None]]] = [{} for _ in range(world)]
     dist.all_gather_object(gathered_memory, memories)
 
@@ -416,6 +450,7 @@ def report(
         leaked = sum(s.grad_bytes for s in results["nocomm"].stats)
         print(f"nocomm gradient all-reduce bytes: {leaked} (must be 0)")
 
+    gather_bytes = LOW_PRECISION.get(args.precision, torch.float32).itemsize  # the ZeRO stages' default param_dtype
     for name in results:
         if name in LEDGER_CANDIDATES:
             stats = results[name].stats[-1]
@@ -424,21 +459,31 @@ def report(
                 f"{name} per step: gradient reduction {grads / MIB:.2f} MiB in {stats.grad_calls / stats.steps:g}"
                 f" calls = {grads / (4 * psi):.4f} x 4Ψ"
             )
-            if name in PARAM_GATHER_PSI:
+            if name in PARAM_GATHERS:
                 params = stats.param_bytes / stats.steps
-                units = PARAM_GATHER_PSI[name]
+                units = PARAM_GATHERS[name] * gather_bytes
                 line += f", parameter all-gather {params / MIB:.2f} MiB = {params / (units * psi):.4f} x {units}Ψ"
             print(f"{line} (bucket cap {args.bucket_size_mb:g} MiB)")
-        if name in FLOORS:
-            print(memory_line(name, psi, world, gathered_memory))
+        if name in STAGES:
+            print(memory_line(name, args.precision, psi, world, gathered_memory))
 
 
-def memory_line(name: str, psi: int, world: int, gathered_memory: list[dict[str, list[ModelStateBytes | None]]]) -> str:
-    """Model states of ``name`` against its floor: the largest count over ranks and fits (equal up to padding)."""
+def memory_line(
+    name: str, precision: str, psi: int, world: int, gathered_memory: list[dict[str, list[ModelStateBytes | None]]]
+) -> str:
+    """Model states of ``name`` against the ZeRO paper's accounting of them (:data:`STAGES`, :data:`STATE_BYTES`): the
+    largest count over ranks and fits (equal up to padding)."""
     mems = [m for per_rank in gathered_memory for m in per_rank.get(name, []) if m is not None]
     worst = max(mems, key=lambda m: m.total)
-    floor_psi = FLOORS[name](world)
-    floor = floor_psi * psi
+    stage, (param_bytes, grad_bytes, optimizer_bytes) = STAGES[name], STATE_BYTES[precision][name]
+    expected_psi = zero_model_state_bytes(
+        stage, 1, world, param_bytes=param_bytes, grad_bytes=grad_bytes, optimizer_bytes=optimizer_bytes
+    )
+    expected = expected_psi * psi
+    formula = (
+        f"formula stage {stage}, {param_bytes}/{grad_bytes}/{optimizer_bytes} bytes per element (params/grads/K):"
+        f" {expected_psi:g}Ψ ({expected / MIB:.2f} MiB)"
+    )
     states = worst.params + worst.grads + worst.optimizer
     line = (
         f"{name} model states per rank, MiB (Ψ = {psi:,}, N = {world}): params {worst.params / MIB:.2f},"
@@ -447,12 +492,11 @@ def memory_line(name: str, psi: int, world: int, gathered_memory: list[dict[str,
     if name in HIDDEN_BUFFERS:
         return (
             f"{line}, strategy_buffers n/a ({HIDDEN_BUFFERS[name]}); params+grads+optimizer {states / MIB:.2f}"
-            f" = {states / floor:.4f} x floor {floor_psi:g}Ψ ({floor / MIB:.2f} MiB)"
+            f" = {states / expected:.4f} x {formula}"
         )
     return (
-        f"{line}, strategy_buffers {worst.strategy_buffers / MIB:.2f}, total {worst.total / MIB:.2f};"
-        f" floor {floor_psi:g}Ψ ({floor / MIB:.2f} MiB): params+grads+optimizer {states / floor:.4f} x,"
-        f" total {worst.total / floor:.4f} x"
+        f"{line}, strategy_buffers {worst.strategy_buffers / MIB:.2f}, total {worst.total / MIB:.2f}; {formula}:"
+        f" params+grads+optimizer {states / expected:.4f} x, total {worst.total / expected:.4f} x"
     )
 
 

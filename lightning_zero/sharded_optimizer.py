@@ -41,11 +41,7 @@ Gradient storage, by ``stage`` and ``grad_sync``:
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
 
 from lightning_zero import collectives as comm
 from lightning_zero.bucketing import assign_buckets
@@ -203,7 +199,7 @@ class ShardedOptimizer:
             param_group["params"] = [flat_group.shard]
             self.groups.append(flat_group)
         check_in_optimizer([name for name, p in module.named_parameters() if p.requires_grad and id(p) not in seen])
-        self._masters_loaded = False
+        self.masters_loaded = False
         self.reducer = self._build_reducer(module, bucket_cap_bytes, find_unused_parameters, reduce_dtype)
         self._held = HeldPieces(optimizer)
         self._pieces = [param_pieces(g.names, g.shard, g.layout, self.rank) for g in self.groups]
@@ -335,159 +331,9 @@ class ShardedOptimizer:
     def sync_after_load(self) -> None:
         """After a checkpoint was loaded into the module and the optimizer: the parameters from master values
         loaded with the optimizer state, or else the masters from the loaded parameters."""
-        if self._masters_loaded:
+        if self.masters_loaded:
             self._gather_params()
         for g in self.groups:
-            if g.has_master and not self._masters_loaded:
+            if g.has_master and not self.masters_loaded:
                 g.shard.data.copy_(g.flat.narrow(0, g.start, g.end - g.start))
-        self._masters_loaded = False
-
-    def _with_master(self, g: _FlatGroup) -> dict:
-        """The optimizer state of ``g``'s shard, plus the master values when they are kept apart."""
-        state = dict(self.optimizer.state.get(g.shard, {}))
-        if g.has_master:
-            state["master"] = g.shard.detach()
-        return state
-
-    # ------------------------------------------------------ sharded state dict
-    # [Note: sharded optimizer state] Per group, each per-element state (AdamW's moments, SGD's momentum) is one
-    # DTensor over the *unpadded* flat group, sharded on dim 0 exactly as the flat layout is (torch.chunk sizes:
-    # ceil(numel / N) per rank). Scalars (e.g. ``step``) are plain replicated tensors. DCP saves each rank's chunk
-    # and, on load, reads the chunks overlapping the new owner's range: resharding to any world size.
-
-    def _to_dtensor(self, g: _FlatGroup, shard_tensor: Tensor) -> DTensor:
-        mesh = DeviceMesh.from_group(self.group or dist.group.WORLD, g.flat.device.type)
-        real = max(0, min(g.end, g.layout.numel) - g.start)  # padding is not part of the saved tensor
-        local = shard_tensor.narrow(0, 0, real)
-        return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=(g.layout.numel,), stride=(1,))
-
-    @staticmethod
-    def _elementwise(g: _FlatGroup, value: object) -> bool:
-        """Whether an optimizer state value has one element per shard element (moments), not a scalar (step)."""
-        return isinstance(value, Tensor) and value.shape == g.shard.shape
-
-    def _load_shards(self, sharded_state: dict[int, dict], param_groups: list[dict]) -> None:
-        """Load per-group shard state with the saved hyper-parameters into the rebuilt optimizer."""
-        for index, entry in sharded_state.items():
-            master = entry.pop("master", None)
-            if master is not None:  # the module's parameters follow in sync_after_load
-                self.groups[index].shard.data.copy_(master)
-                self._masters_loaded = True
-        self.optimizer.load_state_dict(
-            {"state": sharded_state, "param_groups": [{**hp, "params": [i]} for i, hp in enumerate(param_groups)]}
-        )
-
-    def sharded_state_dict(self) -> dict:
-        """``{"state": {"group<i>": {key: DTensor | scalar}}, "param_groups": [hyper-parameters]}``."""
-        state = {}
-        for g in self.groups:
-            entry = {}
-            for key, value in self._with_master(g).items():
-                entry[key] = self._to_dtensor(g, value.detach()) if self._elementwise(g, value) else value
-            state[f"group{g.index}"] = entry
-        return {"state": state, "param_groups": hyperparameters(self.optimizer.param_groups)}
-
-    def sharded_template(self, metadata: Metadata, prefix: str) -> dict:
-        """Tensors for DCP to load ``prefix``'s optimizer state into, shaped from the checkpoint's index."""
-        state: dict[str, dict] = {}
-        for fqn, item in metadata.state_dict_metadata.items():
-            if not fqn.startswith(f"{prefix}.state.group"):
-                continue
-            group_key, key = fqn[len(f"{prefix}.state.") :].split(".", 1)
-            g = self.groups[int(group_key.removeprefix("group"))]
-            entry = state.setdefault(group_key, {})
-            if not isinstance(item, TensorStorageMetadata):
-                entry[key] = None
-            elif tuple(item.size) == (g.layout.numel,):
-                entry[key] = self._to_dtensor(g, torch.zeros_like(g.shard, dtype=item.properties.dtype))
-            else:
-                entry[key] = torch.empty(item.size, dtype=item.properties.dtype, device=g.flat.device)
-        return {"state": state}
-
-    def load_sharded_state_dict(self, loaded: dict, param_groups: list[dict]) -> None:
-        """Load what DCP filled into :meth:`sharded_template`, with the saved hyper-parameters."""
-        check_group_count(len(param_groups), len(self.groups))
-        sharded_state = {}
-        for g in self.groups:
-            entry = {}
-            for key, value in loaded["state"].get(f"group{g.index}", {}).items():
-                if isinstance(value, DTensor):
-                    shard = torch.zeros_like(g.shard, dtype=value.dtype)
-                    local = value.to_local()
-                    shard.narrow(0, 0, local.numel()).copy_(local)
-                    value = shard
-                entry[key] = value
-            if entry:
-                sharded_state[g.index] = entry
-        self._load_shards(sharded_state, param_groups)
-
-    # --------------------------------------------------------- full state dict
-    # [Note: full optimizer state] The format of the *unsharded* optimizer: ``{"state": {i: {key: tensor shaped like
-    # param i}}, "param_groups": [{..., "params": [i, ...]}]}`` numbered as the user's original param groups, so it
-    # loads into a plain optimizer built by the same ``configure_optimizers`` and reshards to any world size.
-
-    def _numbering(self) -> list[list[int]]:
-        numbers, next_number = [], 0
-        for g in self.groups:
-            numbers.append(list(range(next_number, next_number + len(g.original_params))))
-            next_number += len(g.original_params)
-        return numbers
-
-    def full_state_dict(self) -> dict:
-        """Gather the optimizer state of every shard (collective: call on every rank)."""
-        state: dict[int, dict] = {}
-        groups = []
-        for g, numbers, hyper in zip(self.groups, self._numbering(), hyperparameters(self.optimizer.param_groups)):
-            groups.append({**hyper, "params": numbers})
-            shard_state = self._with_master(g)
-            scalars: dict[str, object] = {}  # e.g. Adam's step: equal on every rank
-            gathered: dict[str, Tensor] = {}  # per-element state (moments), gathered into a full flat buffer
-            for key, value in shard_state.items():
-                if self._elementwise(g, value):
-                    gathered[key] = torch.empty(g.layout.padded_numel, dtype=value.dtype, device=value.device)
-                    comm.all_gather(gathered[key], value.detach(), group=self.group, tag="state_dict")
-                else:  # a copy: optimizers update e.g. ``step`` in place
-                    scalars[key] = value.clone() if isinstance(value, Tensor) else value
-            if not shard_state:
-                continue
-            offset_of = {id(p): offset for p, offset in zip(g.params, g.layout.offsets)}
-            for number, p in zip(numbers, g.original_params):
-                if id(p) in offset_of:
-                    per_param = {
-                        k: v.narrow(0, offset_of[id(p)], p.numel()).view_as(p).clone() for k, v in gathered.items()
-                    }
-                    state[number] = {**scalars, **per_param}
-        return {"state": state, "param_groups": groups}
-
-    def load_full_state_dict(self, state_dict: dict) -> None:
-        """Load a :meth:`full_state_dict` (from any world size) into this rank's shards."""
-        saved_groups = state_dict["param_groups"]
-        check_group_count(len(saved_groups), len(self.groups))
-        sharded_state: dict[int, dict] = {}
-        for index, (g, saved_group) in enumerate(zip(self.groups, saved_groups)):
-            if len(saved_group["params"]) != len(g.original_params):
-                raise ValueError(
-                    f"optimizer state param group {index} has {len(saved_group['params'])} parameters: expected"
-                    f" {len(g.original_params)}"
-                )
-            number_of = {id(p): n for n, p in zip(saved_group["params"], g.original_params)}
-            states = [state_dict["state"].get(number_of[id(p)], {}) for p in g.params]
-            if not any(states):
-                continue
-            shard_state: dict[str, Tensor] = {}
-            for key, first in states[0].items():
-                if not (isinstance(first, Tensor) and first.shape == g.params[0].shape and first.ndim > 0):
-                    shard_state[key] = first
-                    continue
-                flat = torch.zeros(g.layout.padded_numel, dtype=first.dtype, device=g.flat.device)
-                for p, offset, state, name in zip(g.params, g.layout.offsets, states, g.names):
-                    value = state[key]
-                    if value.shape != p.shape:
-                        raise ValueError(
-                            f"optimizer state {key!r} of {name!r} has shape {tuple(value.shape)}:"
-                            f" expected {tuple(p.shape)}"
-                        )
-                    flat.narrow(0, offset, p.numel()).copy_(value.reshape(-1))
-                shard_state[key] = flat.narrow(0, g.start, g.end - g.start).clone()
-            sharded_state[index] = shard_state
-        self._load_shards(sharded_state, hyperparameters(saved_groups))
+        self.masters_loaded = False

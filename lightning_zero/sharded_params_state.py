@@ -12,7 +12,7 @@ neither depends on units, segments, padding or the world size:
 So a sharded checkpoint directory holds ``model`` / ``optimizer_0`` like Lightning's FSDP strategy, and
 ``python -m lightning.pytorch.utilities.consolidate_checkpoint`` turns it into a plain checkpoint. Converting walks
 one segment at a time (one all-gather of its flat), so no rank holds more than one segment of full values beyond
-its own pieces. Loading goes back through ``DTensor.full_tensor()`` one parameter at a time, then each rank keeps its
+its own pieces; a full state dict is kept by rank 0 only, copied to the CPU as each segment arrives. Loading goes back through ``DTensor.full_tensor()`` one parameter at a time, then each rank keeps its
 flat-shard pieces: resharding to any world size.
 """
 
@@ -65,6 +65,12 @@ def _template(mesh: DeviceMesh, shape: torch.Size, dtype: torch.dtype, device: t
     return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=shape, stride=stride)
 
 
+def _on_rank_zero(engine: ShardedParams, full: Tensor) -> Tensor | None:
+    """A full checkpoint is written by rank 0: it keeps a CPU copy of each gathered value as it arrives, the other
+    ranks nothing, so no rank holds more than one segment beyond its shards ([Note: stage-3 state dict layout])."""
+    return full.to("cpu", copy=True) if engine.rank == 0 else None
+
+
 def _full(value: Tensor) -> Tensor:
     return value.full_tensor() if isinstance(value, DTensor) else value
 
@@ -76,7 +82,7 @@ def model_state_dict(engine: ShardedParams, sharded: bool) -> dict[str, Any]:
     values: dict[int, Tensor] = {}
     for segment in engine.segments:
         for p, full in zip(segment.params, _per_param(engine, segment, segment.shard)):
-            values[id(p)] = _to_dtensor(mesh, full) if mesh is not None else full.clone()
+            values[id(p)] = _to_dtensor(mesh, full) if mesh is not None else _on_rank_zero(engine, full)
     if not sharded and engine.rank != 0:
         return {}
     with engine.reading_placeholders():
@@ -146,7 +152,7 @@ def optimizer_state_dict(engine: ShardedParams, sharded: bool) -> dict[str, Any]
                     entry[key] = value.clone() if isinstance(value, Tensor) else value
                 continue
             for entry, full in zip(entries, _per_param(engine, segment, value)):
-                entry[key] = _to_dtensor(mesh, full) if mesh is not None else full.clone()
+                entry[key] = _to_dtensor(mesh, full) if mesh is not None else _on_rank_zero(engine, full)
         if shard_state:
             per_param.update({id(p): entry for p, entry in zip(segment.params, entries)})
     hyper = hyperparameters(optimizer.param_groups)

@@ -28,12 +28,14 @@ also after ``fit``; ``fit(ckpt_path=...)`` reads either kind, saved at any world
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Generator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.callbacks import BaseFinetuning
@@ -43,6 +45,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_zero import sharded_optimizer_state as so_state
 from lightning_zero import sharded_params_state as sp_state
 from lightning_zero.checkpoint import is_sharded_checkpoint, load_sharded, read_metadata, save_sharded
 from lightning_zero.grad_norm import shard_grad_norms
@@ -386,7 +389,7 @@ class ZeroStrategy(ScratchParallelStrategy):
             return sp_state.optimizer_state_dict(self._params, sharded=sharded)
         if self._engine is None:
             return super().optimizer_state(optimizer)
-        return self._engine.sharded_state_dict() if sharded else self._engine.full_state_dict()
+        return so_state.sharded_state_dict(self._engine) if sharded else so_state.full_state_dict(self._engine)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
@@ -407,14 +410,14 @@ class ZeroStrategy(ScratchParallelStrategy):
         with_optimizer = engine is not None or (params is not None and params.optimizer is not None)
         self._restored_sharded = is_sharded_checkpoint(checkpoint_path)
         if not self._restored_sharded:
-            checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+            checkpoint = self._load_full_file(checkpoint_path, weights_only)
             optimizer_state = (checkpoint.get("optimizer_states") or [None])[0]
             if params is not None:
                 sp_state.load_model_state_dict(params, checkpoint["state_dict"])
                 if with_optimizer and optimizer_state:
                     sp_state.load_optimizer_state_dict(params, optimizer_state, optimizer_state["param_groups"])
             elif engine is not None and optimizer_state:
-                engine.load_full_state_dict(optimizer_state)
+                so_state.load_full_state_dict(engine, optimizer_state)
             return checkpoint
         metadata = read_metadata(checkpoint_path)
         # Stage 1/2: views of the parameters, loaded in place. Stage 3: per-parameter DTensors.
@@ -431,7 +434,7 @@ class ZeroStrategy(ScratchParallelStrategy):
             tensors["optimizer_0"] = (
                 sp_state.optimizer_template(params, metadata, "optimizer_0")
                 if params is not None
-                else engine.sharded_template(metadata, "optimizer_0")
+                else so_state.sharded_template(engine, metadata, "optimizer_0")
             )
         meta = load_sharded(checkpoint_path, tensors)
         param_groups = meta.pop("optimizer_param_groups", [])
@@ -444,8 +447,16 @@ class ZeroStrategy(ScratchParallelStrategy):
             if params is not None:
                 sp_state.load_optimizer_state_dict(params, optimizer_state, param_groups[0])
             else:
-                engine.load_sharded_state_dict(optimizer_state, param_groups[0])
+                so_state.load_sharded_state_dict(engine, optimizer_state, param_groups[0])
         return meta
+
+    def _load_full_file(self, path: Any, weights_only: bool | None) -> dict[str, Any]:
+        """A full checkpoint, memory-mapped when it is a local file read by Lightning's default checkpoint IO: every
+        rank reads only the pages of its own pieces, and the ranks of a host share them, instead of each rank
+        loading every tensor."""
+        if isinstance(self.checkpoint_io, TorchCheckpointIO) and os.path.isfile(path):
+            return torch.load(path, map_location="cpu", weights_only=weights_only, mmap=True)
+        return super().load_checkpoint(path, weights_only=weights_only)
 
     @override
     def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:

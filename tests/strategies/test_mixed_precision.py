@@ -124,7 +124,7 @@ def _masters(strategy, module) -> dict[str, torch.Tensor]:
             out.update(zip(s.names, s.gather_values(s.shard, None)))
     elif engine is not None:
         for g in engine.groups:
-            full = torch.empty(g.layout.padded_numel, dtype=g.shard.dtype)
+            full = torch.empty(g.layout.padded_numel, dtype=g.shard.dtype, device=g.shard.device)
             comm.all_gather(full, g.shard.detach())
             out.update({n: full.narrow(0, o, p.numel()) for n, p, o in zip(g.names, g.params, g.layout.offsets)})
     else:
@@ -142,19 +142,22 @@ def _trainer_kwargs(precision: str) -> dict:
 
 
 def _fit(
-    name: str, precision: str, inject=None, steps: int = STEPS, resume=None, save=None, **strategy_kwargs
+    name: str,
+    precision: str,
+    inject=None,
+    steps: int = STEPS,
+    resume=None,
+    save=None,
+    trainer_kwargs: dict | None = None,
+    **strategy_kwargs,
 ) -> dict:
-    """A fit of ``steps`` optimizer steps (resumed from the checkpoint ``resume``; saving one to ``save``)."""
+    """A fit of ``steps`` optimizer steps (resumed from the checkpoint ``resume``; saving one to ``save``);
+    ``trainer_kwargs`` override the ``Trainer``'s arguments (the GPU tests: ``accelerator``, ``devices``, ...)."""
     L.seed_everything(SEED, verbose=False)
     module = MPModule(inject)
     recorder = MasterRecorder()
-    trainer = quiet_trainer(
-        make_strategy(name, **strategy_kwargs),
-        max_epochs=steps // EPOCH,
-        gradient_clip_val=CLIP,
-        callbacks=[recorder],
-        **_trainer_kwargs(precision),
-    )
+    kwargs = dict(max_epochs=steps // EPOCH, gradient_clip_val=CLIP, callbacks=[recorder], **_trainer_kwargs(precision))
+    trainer = quiet_trainer(make_strategy(name, **strategy_kwargs), **{**kwargs, **(trainer_kwargs or {})})
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(module, DataLoader(_data(), batch_size=BATCH), ckpt_path=resume)
@@ -245,60 +248,72 @@ def rules_of(name: str, precision: str, variant: str | None = None) -> Rules:
     return Rules(low, torch.float32, rounded, reduce, scaler=precision == "16-mixed")
 
 
-def _rank_batches() -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+def _rank_batches(world: int = WORLD, steps: int = STEPS) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
     """Step k's batch of each rank under Lightning's shuffling ``DistributedSampler`` (seed = the global seed,
     reshuffled each epoch)."""
     data = _data()
+    per_epoch = len(data) // (world * BATCH)  # EPOCH at WORLD ranks
     out = []
-    for rank in range(WORLD):
-        sampler = DistributedSampler(data, num_replicas=WORLD, rank=rank, shuffle=True, seed=SEED)
+    for rank in range(world):
+        sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=SEED)
         batches = []
-        for step in range(STEPS):
-            sampler.set_epoch(step // EPOCH)
-            k = step % EPOCH
+        for step in range(steps):
+            sampler.set_epoch(step // per_epoch)
+            k = step % per_epoch
             batches.append(data[list(sampler)[k * BATCH : (k + 1) * BATCH]])
         out.append(batches)
     return out
 
 
-def reference(rules: Rules, inject_step: int | None = None) -> dict[str, Any]:
+def reference(
+    rules: Rules,
+    inject_step: int | None = None,
+    *,
+    world: int = WORLD,
+    steps: int = STEPS,
+    device: str = "cpu",
+    init_scale: float = INIT_SCALE,
+) -> dict[str, Any]:
     """One process, the same arithmetic (see the module docstring), on one thread as each worker runs: the
     reductions inside kernels (LayerNorm's weight gradient) sum in another order on two threads, and bf16 turns
-    that last-bit difference into a visible one."""
+    that last-bit difference into a visible one. ``world`` ranks' batches, ``steps`` optimizer steps, on ``device``
+    (the GPU tests: 1 rank, CUDA, the scale Lightning's own ``GradScaler`` starts from)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _reference(rules, inject_step)
+        return _reference(rules, inject_step, world, steps, device, init_scale)
     finally:
         torch.set_num_threads(threads)
 
 
-def _reference(rules: Rules, inject_step: int | None) -> dict[str, Any]:
+def _reference(rules: Rules, inject_step, world: int, steps: int, device: str, init_scale: float) -> dict[str, Any]:
     net = _net()
     # Under -true Lightning casts the module before the strategy sees it: the masters start from the cast values.
     start = rules.compute if rules.autocast is None else torch.float32
-    masters = [p.detach().to(start).float().clone() for p in net.parameters()]
+    masters = [p.detach().to(start).float().to(device, copy=True) for p in net.parameters()]
     for m in masters:
         m.requires_grad_(True)
     optimizer = _optimizer(masters)
-    scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE) if rules.scaler else None
-    net.to(rules.compute)
-    batches = _rank_batches()
-    for step in range(STEPS):
+    scaler = torch.amp.GradScaler(device, init_scale=init_scale) if rules.scaler else None
+    net.to(device, rules.compute)
+    batches = _rank_batches(world, steps)
+    for step in range(steps):
         with torch.no_grad():
             for p, m in zip(net.parameters(), masters):
                 p.copy_(m.to(rules.rounded) if rules.rounded is not None else m)
         per_rank = []
-        for rank in range(WORLD):
-            x, y = (t.to(rules.compute) for t in batches[rank][step])  # as the precision plugin casts inputs
+        for rank in range(world):
+            x, y = (t.to(device, rules.compute) for t in batches[rank][step])  # as the precision plugin casts inputs
             net.zero_grad(set_to_none=True)
-            with torch.autocast("cpu", dtype=rules.autocast) if rules.autocast else nullcontext():
+            with torch.autocast(torch.device(device).type, dtype=rules.autocast) if rules.autocast else nullcontext():
                 loss = F.mse_loss(net(x).float(), y.float())
             (scaler.scale(loss) if scaler is not None else loss).backward()
             per_rank.append([p.grad.float() for p in net.parameters()])
         for m, grads in zip(masters, zip(*per_rank)):
-            total = grads[0].to(rules.reduce) + grads[1].to(rules.reduce)
-            m.grad = (total / WORLD).float()
+            total = grads[0].to(rules.reduce)
+            for grad in grads[1:]:
+                total = total + grad.to(rules.reduce)
+            m.grad = (total / world).float()
         if step == inject_step:
             masters[0].grad.view(-1)[0] = float("inf")
         if scaler is not None:
