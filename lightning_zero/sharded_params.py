@@ -292,6 +292,8 @@ class ShardedParams:
             return
         self._gather(unit)
         self._wait(unit)
+        if self._callback_queued:  # a recompute inside backward (activation checkpointing): not the forward order
+            return
         self._order.append(unit.index)
         position = len(self._order)
         if position < len(self._last_order):  # prefetch what ran next last time

@@ -62,6 +62,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_zero import activation_checkpointing
 from lightning_zero import collectives as comm
 from lightning_zero.memory import ModelStateBytes, model_state_bytes
 from lightning_zero.precision import (
@@ -165,6 +166,9 @@ class ScratchParallelStrategy(ParallelStrategy):
         cast_module: under ``-mixed``, keep the module's parameters and floating-point buffers in the low-precision
             dtype and cast floating-point inputs to it (DeepSpeed's ``bf16``/``fp16`` mode; half the parameter
             memory). Needs a module whose forward never mixes that dtype with float32 tensors of its own.
+        activation_checkpointing_policy: module classes whose instances recompute their forward in backward instead
+            of keeping their activations (``lightning_zero/activation_checkpointing.py``), as Lightning's FSDP
+            strategy takes it; during fits.
     """
 
     strategy_name = "scratch"
@@ -186,11 +190,14 @@ class ScratchParallelStrategy(ParallelStrategy):
         reduce_dtype: str | torch.dtype | None = DEFAULT,
         master_weights: bool = True,
         cast_module: bool = False,
+        activation_checkpointing_policy: set[type] | None = None,
     ) -> None:
         check_flag("find_unused_parameters", find_unused_parameters)
         check_flag("broadcast_buffers", broadcast_buffers)
         check_flag("master_weights", master_weights)
         check_flag("cast_module", cast_module)
+        self.activation_checkpointing_policy = activation_checkpointing.check_policy(activation_checkpointing_policy)
+        self._checkpointed: list[torch.nn.Module] = []
         self._precision_settings = {
             "param_dtype": parse_dtype("param_dtype", param_dtype),
             "reduce_dtype": parse_dtype("reduce_dtype", reduce_dtype),
@@ -314,6 +321,7 @@ class ScratchParallelStrategy(ParallelStrategy):
         self.model_to_device()
         broadcast_module_states(self.model)
         self._apply_layer_sync(trainer)
+        self._apply_activation_checkpointing(trainer)
 
     # ------------------------------------------------------------ precision
     @property
@@ -357,6 +365,16 @@ class ScratchParallelStrategy(ParallelStrategy):
         module = self.lightning_module
         return module is not None and module._trainer is not None and module.trainer.state.fn == TrainerFn.FITTING
 
+    def _apply_activation_checkpointing(self, trainer: pl.Trainer) -> None:
+        """During fits, the modules of ``activation_checkpointing_policy`` recompute their forward in backward."""
+        module, policy = self.lightning_module, self.activation_checkpointing_policy
+        if policy and module is not None and trainer.state.fn == TrainerFn.FITTING:
+            self._checkpointed = activation_checkpointing.apply(module, policy)
+
+    def _revert_activation_checkpointing(self) -> None:
+        activation_checkpointing.revert(self._checkpointed)
+        self._checkpointed = []
+
     def _apply_layer_sync(self, trainer: pl.Trainer) -> None:
         """``sync_batchnorm=True`` (fit only, as ``ddp``): Lightning's plugin is swapped for ours, which runs on
         CPU and through our collectives; another ``LayerSync`` plugin is applied as given. Converted layers stay as
@@ -368,6 +386,8 @@ class ScratchParallelStrategy(ParallelStrategy):
             self.model = self._layer_sync.apply(self.model)
 
     def _revert_layer_sync(self) -> None:
+        """After a fit: the module's own layers and forwards back (``sync_batchnorm``, activation checkpointing)."""
+        self._revert_activation_checkpointing()
         module = self.lightning_module
         if isinstance(self._layer_sync, LayerSync) and module is not None and self._fitting:
             self.model = self._layer_sync.revert(module)

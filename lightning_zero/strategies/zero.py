@@ -255,6 +255,7 @@ class ZeroStrategy(ScratchParallelStrategy):
         self.precision_plugin.convert_module(self.model)
         self._params = ShardedParams.of(self.model)  # a model too big to be gathered after an earlier fit
         self._apply_layer_sync(trainer)  # before sharding, so the engine hooks the converted modules
+        self._apply_activation_checkpointing(trainer)
         if self._params is not None and self._params.world_size != self.world_size:
             raise ValueError(
                 f"the model is sharded over {self._params.world_size} ranks by an earlier fit: this run has"
