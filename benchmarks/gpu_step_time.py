@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import logging
 import os
 import socket
 import statistics
@@ -41,8 +40,10 @@ from lightning_zero import ScratchDDPStrategy, ZeroStrategy
 
 try:  # run as a script, sys.path[0] is benchmarks/; imported from the repo root, it is a namespace package
     from benchmarks.gpt import PRESETS, Block, GPTLightningModule, random_token_dataset
+    from benchmarks.step_time import quiet_lightning
 except ImportError:
     from gpt import PRESETS, Block, GPTLightningModule, random_token_dataset  # type: ignore[no-redef]
+    from step_time import quiet_lightning  # type: ignore[no-redef]
 
 CANDIDATES = ("ddp", "ddp_scratch", "zero1_scratch", "zero2_scratch", "zero3_scratch")
 MIB = 2**20
@@ -129,15 +130,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def quiet_lightning() -> None:
-    for name in ("lightning.pytorch", "lightning.fabric", "lightning_utilities"):
-        logging.getLogger(name).setLevel(logging.WARNING)
-    warnings.filterwarnings("ignore", message=r".*does not have many workers.*")
-    warnings.filterwarnings("ignore", message=r".*can run with static graph.*")
-    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
-    warnings.filterwarnings("ignore", message=r".*communicates the parameters in param_dtype.*")  # ZeRO bf16 gathers
-
-
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if not torch.cuda.is_available():
@@ -150,6 +142,7 @@ def main(argv: list[str] | None = None) -> None:
             s.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
     quiet_lightning()
+    warnings.filterwarnings("ignore", message=r".*communicates the parameters in param_dtype.*")  # ZeRO bf16 gathers
     config = PRESETS[args.preset]
     print(
         f"torch {torch.__version__}, lightning {L.__version__}, {torch.cuda.get_device_name()}, world size 1,"

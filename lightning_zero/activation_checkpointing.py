@@ -35,7 +35,8 @@ def check_policy(policy: Any) -> set[type] | None:
     classes = set(policy) if isinstance(policy, (set, frozenset, list, tuple)) else None
     if not classes or not all(isinstance(c, type) and issubclass(c, nn.Module) for c in classes):
         raise ValueError(
-            f"activation_checkpointing_policy={policy!r} is invalid: expected a set of nn.Module classes (e.g. {{Block}})"
+            f"activation_checkpointing_policy={policy!r} is invalid: expected a set of nn.Module classes"
+            " (e.g. {Block})"
         )
     return classes
 

@@ -183,9 +183,7 @@ def all_reduce(
     return _finish([work], async_op)
 
 
-def reduce(
-    tensor: Tensor, dst: int = 0, op: ReduceOpName = "sum", *, group: Any = None, tag: str = ""
-) -> None:
+def reduce(tensor: Tensor, dst: int = 0, op: ReduceOpName = "sum", *, group: Any = None, tag: str = "") -> None:
     """Reduce ``tensor`` from every rank into global rank ``dst``'s ``tensor`` (the others' is left undefined)."""
     reduce_op = _op(op)
     LEDGER.record("reduce", tag, _nbytes(tensor))

@@ -63,7 +63,12 @@ DTYPE_NAMES = {
     "fp16": torch.float16,
     "float16": torch.float16,
 }
-LOW_PRECISION = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16, "bf16-true": torch.bfloat16, "16-true": torch.float16}
+LOW_PRECISION = {
+    "bf16-mixed": torch.bfloat16,
+    "16-mixed": torch.float16,
+    "bf16-true": torch.bfloat16,
+    "16-true": torch.float16,
+}
 """Lightning's low-precision ``precision`` values and the dtype each computes in."""
 
 _LEGACY_PRECISION = {"bf16": "bf16-mixed", "16": "16-mixed", "32": "32-true", "64": "64-true"}

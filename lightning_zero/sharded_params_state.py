@@ -12,8 +12,9 @@ neither depends on units, segments, padding or the world size:
 So a sharded checkpoint directory holds ``model`` / ``optimizer_0`` like Lightning's FSDP strategy, and
 ``python -m lightning.pytorch.utilities.consolidate_checkpoint`` turns it into a plain checkpoint. Converting walks
 one segment at a time (one all-gather of its flat), so no rank holds more than one segment of full values beyond
-its own pieces; a full state dict is kept by rank 0 only, copied to the CPU as each segment arrives. Loading goes back through ``DTensor.full_tensor()`` one parameter at a time, then each rank keeps its
-flat-shard pieces: resharding to any world size.
+its own pieces; a full state dict is kept by rank 0 only, copied to the CPU as each segment arrives. Loading goes
+back through ``DTensor.full_tensor()`` one parameter at a time, then each rank keeps its flat-shard pieces:
+resharding to any world size.
 """
 
 from __future__ import annotations

@@ -345,9 +345,9 @@ class ScratchParallelStrategy(ParallelStrategy):
                 " param_dtype=None for ddp's arithmetic, or param_dtype='bf16'/'fp16' to silence this.",
                 category=PossibleUserWarning,
             )
-        if isinstance(plugin, MixedPrecision) and plugin.scaler is not None:
-            if not isinstance(plugin.scaler, ShardedGradScaler):
-                plugin.scaler = ShardedGradScaler.like(plugin.scaler)
+        scaler = plugin.scaler if isinstance(plugin, MixedPrecision) else None
+        if scaler is not None and not isinstance(scaler, ShardedGradScaler):
+            plugin.scaler = ShardedGradScaler.like(scaler)
         if cast_module and policy.casts_module and self.lightning_module is not None:
             self._cast_buffers.update(cast_buffers(self.lightning_module, policy.cast_dtype))
             plugin.convert_input = partial(cast_floats, dtype=policy.cast_dtype)  # type: ignore[method-assign]

@@ -24,16 +24,15 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.trainer.states import TrainerFn
-import torch
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero.precision import MasterWeights
-
 from lightning_zero.reducer import GradientReducer
 from lightning_zero.strategies.base import ScratchParallelStrategy
 

@@ -9,6 +9,9 @@ around each training step) must fall.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import lightning as L
 import pytest
 import torch
@@ -23,6 +26,19 @@ from tests.helpers.workers import run_workers
 CONFIG = ParityConfig(model="gpt", batches_per_rank=4, max_epochs=1, gradient_clip_val=None)
 
 
+@contextmanager
+def saved_bytes() -> Iterator[list[int]]:
+    """Inside, the bytes of the tensors autograd saves for backward add up in the yielded one-element list."""
+    total = [0]
+
+    def pack(tensor):
+        total[0] += tensor.numel() * tensor.element_size()
+        return tensor
+
+    with saved_tensors_hooks(pack, lambda tensor: tensor):
+        yield total
+
+
 class SavedBytes(ParityModule):
     """Counts the bytes of the tensors autograd saves for backward in each training step."""
 
@@ -31,16 +47,9 @@ class SavedBytes(ParityModule):
         self.saved: list[int] = []
 
     def training_step(self, batch, batch_idx):
-        total = 0
-
-        def pack(tensor):
-            nonlocal total
-            total += tensor.numel() * tensor.element_size()
-            return tensor
-
-        with saved_tensors_hooks(pack, lambda tensor: tensor):
+        with saved_bytes() as total:
             loss = super().training_step(batch, batch_idx)
-        self.saved.append(total)
+        self.saved.append(total[0])
         return loss
 
 
@@ -93,7 +102,7 @@ def test_zero3_recompute_regathers_nested_units(runs):
 
 @pytest.mark.parametrize("policy", [{"Block"}, set(), {int}, Block])
 def test_bad_policy_is_refused(policy):
-    with pytest.raises(ValueError, match="activation_checkpointing_policy=.* is invalid: expected a set of nn.Module"):
+    with pytest.raises(ValueError, match=r"activation_checkpointing_policy=.* is invalid: expected a set of nn.Module"):
         ZeroStrategy(stage=3, activation_checkpointing_policy=policy)
 
 
@@ -104,15 +113,8 @@ def test_saved_bytes_counter_sees_activations():
     idx = torch.randint(0, 13, (2, 8))
     counts = []
     for wrap in (False, True):
-        total = 0
-
-        def pack(tensor):
-            nonlocal total
-            total += tensor.numel() * tensor.element_size()
-            return tensor
-
-        with saved_tensors_hooks(pack, lambda t: t):
+        with saved_bytes() as total:
             out = torch.utils.checkpoint.checkpoint(net, idx, use_reentrant=False) if wrap else net(idx)
         out.sum().backward()
-        counts.append(total)
-    assert counts[1] < counts[0]
+        counts.append(total[0])
+    assert 0 < counts[1] < counts[0]

@@ -131,13 +131,17 @@ def _masters(strategy, module) -> dict[str, torch.Tensor]:
         names = {id(p): n for n, p in module.named_parameters()}
         pairs = [pair for masters in getattr(strategy, "_masters", {}).values() for pair in masters.pairs]
         out = {names[id(p)]: m for p, m in pairs} or dict(module.named_parameters())
-    return {k.removeprefix("net."): v.detach().float().clone().view(module.get_parameter(k).shape) for k, v in out.items()}
+    return {
+        k.removeprefix("net."): v.detach().float().clone().view(module.get_parameter(k).shape) for k, v in out.items()
+    }
 
 
 # ---------------------------------------------------------------- the runs
 def _trainer_kwargs(precision: str) -> dict:
     if precision == "16-mixed":  # Lightning builds no scaler on CPU, and picks bf16 without a plugin
-        return {"plugins": [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=INIT_SCALE))]}
+        return {
+            "plugins": [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=INIT_SCALE))]
+        }
     return {"precision": precision}
 
 
@@ -427,7 +431,7 @@ def _paper_terms(key: tuple) -> tuple[int, float, float, float]:
     name, precision, variant = (*key, None)[:3]
     stage = 0 if name == "ddp_scratch" else int(name[4])
     low_module = precision.endswith("-true") or variant == "cast_module"
-    masters = stage in (1, 2) and variant != "param_fp32" or low_module
+    masters = (stage in (1, 2) and variant != "param_fp32") or low_module
     if stage == 3:
         return 3, 4, 4, 8
     return stage, 2 if low_module else 4, 4, 12 if masters else 8
@@ -462,7 +466,10 @@ def test_resuming_is_bit_identical(runs, name, precision):
         whole = rank_runs[(name, precision)]
         for kind in kinds:
             resumed = rank_runs[(name, precision, kind)]
-            assert max_diff(resumed["masters"], whole["masters"]) == 0, (kind, max_diff(resumed["masters"], whole["masters"]))
+            assert max_diff(resumed["masters"], whole["masters"]) == 0, (
+                kind,
+                max_diff(resumed["masters"], whole["masters"]),
+            )
             assert resumed["scale"] == whole["scale"]
 
 
