@@ -156,6 +156,7 @@ class RobustDDPStrategy(ScratchParallelStrategy):
             self._grads = WorkerGradients(params, self.workers_per_rank, self.worker_momentum, names)
             self._record_trainable()
             self.setup_optimizers(trainer)
+        self._setup_precision(trainer, cast_module=False)  # the shard-aware loss scaler; no casts (no masters)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
@@ -204,11 +205,14 @@ class RobustDDPStrategy(ScratchParallelStrategy):
             grads.rows.zero_()
             grads.used.end_window()
             self._window_open = True
-        # Lightning divides the loss by accumulate_grad_batches; each worker's loss gets the same scale.
+        # Lightning divides the loss by accumulate_grad_batches; each worker's loss gets the same scale, and the
+        # loss scale of 16-mixed (pre_backward applied it to closure_loss only, which is not differentiated here).
         scale = 1.0 / self.lightning_module.trainer.accumulate_grad_batches
+        scaler = getattr(self.precision_plugin, "scaler", None)
         for j, loss in enumerate(losses):
             grads.bind(j)
-            self.precision_plugin.backward(loss * scale, module, optimizer, *args, **kwargs)
+            loss = loss * scale
+            self.precision_plugin.backward(scaler.scale(loss) if scaler else loss, module, optimizer, *args, **kwargs)
             grads.collect(j)
         if not self._backward_sync_blocked:  # non-boundary micro-batches: accumulate into the rows only
             self._aggregate()

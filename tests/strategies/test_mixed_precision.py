@@ -91,10 +91,8 @@ def _first_grad(strategy, module) -> torch.Tensor:
     engine = getattr(strategy, "engine", None)
     if engine is not None:
         return next(s.grad for s in engine.shard_params if s.grad is not None and s.grad.numel())
-    masters = getattr(strategy, "_masters", {})
-    reducer = strategy.reducer
     p = next(iter(module.parameters()))
-    grad = reducer.grad_of(p) if masters else p.grad
+    grad = strategy.reducer.grad_of(p) if getattr(strategy, "_masters", {}) else p.grad
     return grad.view(-1)
 
 
@@ -203,6 +201,9 @@ def _all_runs(directory: str) -> dict:
         for name in ("zero1_scratch", "zero2_scratch", "zero3_scratch"):
             for kind in ("sharded", "full"):
                 runs[(name, precision, f"resumed_{kind}")] = _resumed(name, precision, directory, state_dict_type=kind)
+    for precision in ("bf16-mixed", "16-mixed"):  # robust's default rule (mean) trains as ddp_scratch does
+        runs[("robust_ddp_scratch", precision)] = _fit("robust_ddp_scratch", precision)
+    runs[("robust_ddp_scratch", "16-mixed", "inject")] = _fit("robust_ddp_scratch", "16-mixed", inject=(2, 1))
     for precision in PRECISIONS:
         runs[("ddp", precision)] = _fit("ddp", precision)
         for name in STRATEGIES:
@@ -482,3 +483,19 @@ def test_rounding_parameters_is_announced_unless_asked_for(runs):
         for quiet in ((name, "bf16-mixed", "param_fp32"), (name, "bf16-true"), (name, "32-true")):
             assert not runs[0][quiet]["warned"], quiet
     assert not runs[0][("ddp_scratch", "bf16-mixed")]["warned"]
+
+
+@pytest.mark.timeout(900)
+def test_robust_mean_under_mixed_precision_and_loss_scaling(runs):
+    """``robust_ddp_scratch`` (mean of the workers) differentiates each worker's loss itself: it must apply the
+    scaler's loss scale too (it once did not, and AdamW then stepped on gradients 2**-10 too small), and its
+    overflow verdict must be every rank's."""
+    for precision in ("bf16-mixed", "16-mixed"):
+        expected = reference(rules_of("ddp_scratch", precision))["masters"]
+        for rank_runs in runs:
+            assert max_diff(rank_runs[("robust_ddp_scratch", precision)]["masters"], expected) <= TOLERANCE, precision
+    skipped = reference(rules_of("ddp_scratch", "16-mixed"), inject_step=2)
+    for rank_runs in runs:
+        run = rank_runs[("robust_ddp_scratch", "16-mixed", "inject")]
+        assert run["scale"] == skipped["scale"] == INIT_SCALE / 2
+        assert max_diff(run["masters"], skipped["masters"]) <= TOLERANCE
