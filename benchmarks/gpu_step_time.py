@@ -40,10 +40,10 @@ from lightning_zero import ScratchDDPStrategy, ZeroStrategy
 
 try:  # run as a script, sys.path[0] is benchmarks/; imported from the repo root, it is a namespace package
     from benchmarks.gpt import PRESETS, Block, GPTLightningModule, random_token_dataset
-    from benchmarks.step_time import quiet_lightning
+    from benchmarks.step_time import QUIET_TRAINER, add_protocol_arguments, quiet_lightning
 except ImportError:
     from gpt import PRESETS, Block, GPTLightningModule, random_token_dataset  # type: ignore[no-redef]
-    from step_time import quiet_lightning  # type: ignore[no-redef]
+    from step_time import QUIET_TRAINER, add_protocol_arguments, quiet_lightning  # type: ignore[no-redef]
 
 CANDIDATES = ("ddp", "ddp_scratch", "zero1_scratch", "zero2_scratch", "zero3_scratch")
 MIB = 2**20
@@ -89,13 +89,8 @@ def fit_once(name: str, precision: str, args: argparse.Namespace, dataset) -> tu
         strategy=make_strategy(name),
         precision=precision,
         max_steps=args.steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        log_every_n_steps=1,
         callbacks=[timer],
+        **QUIET_TRAINER,
     )
     trainer.fit(module, DataLoader(dataset, batch_size=args.batch_size))
     if trainer.global_step != args.steps:
@@ -116,11 +111,7 @@ def quartiles(values: list[float]) -> tuple[float, float, float]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="gpt25m")
-    parser.add_argument("--steps", type=int, default=20, help="optimizer steps per fit")
-    parser.add_argument("--warmup", type=int, default=5, help="steps dropped at the start of every fit")
-    parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds over all candidates")
-    parser.add_argument("--batch-size", type=int, default=16, help="sequences per step")
+    add_protocol_arguments(parser, steps=20, warmup=5, rounds=2, batch_size=16)  # one GPU: one rank, 16 sequences
     parser.add_argument("--precision", nargs="+", default=["32-true", "bf16-mixed"], help="Trainer precisions")
     parser.add_argument("--candidates", nargs="+", choices=CANDIDATES, default=list(CANDIDATES))
     parser.add_argument("--seed", type=int, default=0)

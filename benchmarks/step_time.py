@@ -283,13 +283,8 @@ def fit_once(
         strategy=make_strategy(name, args.bucket_size_mb, devices * num_nodes),
         precision=args.precision,
         max_steps=args.steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        log_every_n_steps=1,  # nothing is logged; only avoids the "fewer batches than the log interval" warning
         callbacks=[timer, probe],
+        **QUIET_TRAINER,
     )
     trainer.fit(module, DataLoader(dataset, batch_size=args.batch_size))
     if trainer.global_step != args.steps:
@@ -317,13 +312,31 @@ def reproduce_command(args: argparse.Namespace, nproc: int) -> str:
     )
 
 
+QUIET_TRAINER = {
+    "logger": False,
+    "enable_checkpointing": False,
+    "enable_progress_bar": False,
+    "enable_model_summary": False,
+    "num_sanity_val_steps": 0,
+    "log_every_n_steps": 1,  # nothing is logged; only avoids the "fewer batches than the log interval" warning
+}
+"""The Trainer arguments of every timed fit (shared with ``benchmarks/gpu_step_time.py``)."""
+
+
+def add_protocol_arguments(
+    parser: argparse.ArgumentParser, *, steps: int, warmup: int, rounds: int, batch_size: int
+) -> None:
+    """The protocol's options, shared with ``benchmarks/gpu_step_time.py`` (with its own defaults)."""
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="gpt25m")
+    parser.add_argument("--steps", type=int, default=steps, help="optimizer steps per fit")
+    parser.add_argument("--warmup", type=int, default=warmup, help="steps dropped at the start of every fit")
+    parser.add_argument("--rounds", type=int, default=rounds, help="interleaved rounds over all candidates")
+    parser.add_argument("--batch-size", type=int, default=batch_size, help="sequences per rank per step")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="gpt25m")
-    parser.add_argument("--steps", type=int, default=12, help="optimizer steps per fit")
-    parser.add_argument("--warmup", type=int, default=3, help="steps dropped at the start of every fit")
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds over all candidates")
-    parser.add_argument("--batch-size", type=int, default=2, help="sequences per rank per step")
+    add_protocol_arguments(parser, steps=12, warmup=3, rounds=3, batch_size=2)
     parser.add_argument(
         "--bucket-size-mb", type=float, default=25.0, help="bucket cap (MiB) of ddp_scratch, nocomm and zero*_scratch"
     )
