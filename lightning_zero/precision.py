@@ -117,10 +117,6 @@ class PrecisionPolicy:
         """The dtype of a master copy of a parameter held in ``param_dtype`` (``None``: no copy)."""
         return None if self.master_dtype in (None, param_dtype) else self.master_dtype
 
-    def as_dict(self) -> dict[str, str | None]:
-        names = {dtype: name for name, dtype in DTYPE_NAMES.items() if "float" not in name}
-        return {k: names.get(getattr(self, k)) for k in ("param_dtype", "reduce_dtype", "master_dtype", "cast_dtype")}
-
 
 def resolve_policy(
     precision: str,

@@ -229,7 +229,6 @@ class ZeroStrategy(ScratchParallelStrategy):
             self.setup_optimizers(trainer)
             self._check_one_optimizer()
             _optimizers_to_device(self.optimizers, self.root_device)
-            policy = self.precision_policy
             self._engine = ShardedOptimizer(
                 self.model,
                 self.optimizers[0],
@@ -237,10 +236,7 @@ class ZeroStrategy(ScratchParallelStrategy):
                 grad_sync=self.grad_sync,
                 bucket_cap_bytes=int(self.bucket_size_mb * 2**20),
                 find_unused_parameters=self.find_unused_parameters,
-                cast_dtype=policy.cast_dtype,
-                gather_dtype=policy.param_dtype,
-                master_dtype=policy.master_dtype,
-                reduce_dtype=policy.reduce_dtype,
+                **self._engine_dtypes(),
             )
             self._record_trainable()
             # [Note: global-norm clipping] Lightning's Precision.clip_grad_by_norm takes the norm of the optimizer's
@@ -262,7 +258,6 @@ class ZeroStrategy(ScratchParallelStrategy):
                 f" {self.world_size}; save a checkpoint and load it into a fresh model instead"
             )
         if self._params is None:
-            policy = self.precision_policy
             self._params = ShardedParams(
                 self.model,
                 auto_wrap_policy=self.auto_wrap_policy,
@@ -273,10 +268,7 @@ class ZeroStrategy(ScratchParallelStrategy):
                 rng_state=self._init_rng_state,
                 timeout=self._timeout,
                 find_unused_parameters=self.find_unused_parameters,
-                cast_dtype=policy.cast_dtype,
-                gather_dtype=policy.param_dtype,
-                master_dtype=policy.master_dtype,
-                reduce_dtype=policy.reduce_dtype,
+                **self._engine_dtypes(),
             )
         if trainer.state.fn == TrainerFn.FITTING:
             self._check_no_finetuning(trainer)
@@ -288,6 +280,16 @@ class ZeroStrategy(ScratchParallelStrategy):
             self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm  # type: ignore[method-assign]
         self._setup_precision(trainer, cast_module=True)  # the engine computes in param_dtype outside fits too
         self.setup_precision_plugin()
+
+    def _engine_dtypes(self) -> dict[str, torch.dtype | None]:
+        """The precision policy as both engines take it ([Note: precision policy] in lightning_zero/precision.py)."""
+        policy = self.precision_policy
+        return {
+            "cast_dtype": policy.cast_dtype,
+            "gather_dtype": policy.param_dtype,
+            "master_dtype": policy.master_dtype,
+            "reduce_dtype": policy.reduce_dtype,
+        }
 
     def _check_no_finetuning(self, trainer: pl.Trainer) -> None:
         finetuning = [type(c).__name__ for c in trainer.callbacks if isinstance(c, BaseFinetuning)]
