@@ -24,21 +24,16 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from lightning_zero.module_classes import module_classes
+
 _ORIGINAL = "_lightning_zero_forward"
 """Where a checkpointed module keeps its own forward (the instance attribute ``forward`` shadows the class's)."""
 
 
 def check_policy(policy: Any) -> set[type] | None:
-    """``None`` or a non-empty set of ``nn.Module`` subclasses; anything else raises naming the setting."""
-    if policy is None:
-        return None
-    classes = set(policy) if isinstance(policy, (set, frozenset, list, tuple)) else None
-    if not classes or not all(isinstance(c, type) and issubclass(c, nn.Module) for c in classes):
-        raise ValueError(
-            f"activation_checkpointing_policy={policy!r} is invalid: expected a set of nn.Module classes"
-            " (e.g. {Block})"
-        )
-    return classes
+    """``None`` or a non-empty set of ``nn.Module`` subclasses (or their import paths); anything else raises naming
+    the setting."""
+    return module_classes("activation_checkpointing_policy", policy)
 
 
 def _checkpointed(forward: Callable[..., Any]) -> Callable[..., Any]:

@@ -17,6 +17,7 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_zero.materialize import MODEL_INIT_MODES
+from lightning_zero.module_classes import module_classes
 from lightning_zero.precision import parse_dtype, resolve_policy, unified_precision
 from lightning_zero.robust.aggregation import RobustAggregator
 from lightning_zero.sharded_optimizer import GRAD_SYNC_MODES
@@ -53,6 +54,15 @@ def _check_precision_settings(schema: Any) -> None:
         raise ConfigError(str(err)) from None
 
 
+def _check_module_classes(schema: Any) -> None:
+    """The import paths of ``activation_checkpointing_policy`` (and ``auto_wrap_policy``) import to module classes."""
+    for setting in ("activation_checkpointing_policy", "auto_wrap_policy"):
+        try:
+            module_classes(setting, getattr(schema, setting, None))
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+
+
 def _check_bucket(bucket_size_mb: float) -> None:
     if bucket_size_mb <= 0:
         raise ConfigError(f"bucket_size_mb={bucket_size_mb!r} is invalid: expected a number of MiB > 0")
@@ -70,6 +80,7 @@ class ScratchDDPStrategyConf:
     reduce_dtype: Optional[str] = "auto"
     master_weights: bool = True
     cast_module: bool = False
+    activation_checkpointing_policy: Optional[list[str]] = None
     process_group_backend: Optional[str] = None
     timeout: float = 1800.0
     start_method: str = "popen"
@@ -78,6 +89,7 @@ class ScratchDDPStrategyConf:
         _check_bucket(self.bucket_size_mb)
         _check_common(self.process_group_backend, self.timeout, self.start_method)
         _check_precision_settings(self)
+        _check_module_classes(self)
 
 
 @dataclass
@@ -89,6 +101,7 @@ class ZeroStrategyConf:
     grad_sync: Optional[str] = None
     bucket_size_mb: float = 25.0
     state_dict_type: str = "sharded"
+    auto_wrap_policy: Optional[list[str]] = None
     min_num_params: Optional[int] = None
     reshard_after_forward: bool = True
     model_init: str = "auto"
@@ -98,6 +111,8 @@ class ZeroStrategyConf:
     reduce_dtype: Optional[str] = "auto"
     master_weights: bool = True
     cast_module: bool = False
+    grad_accum_dtype: Optional[str] = None
+    activation_checkpointing_policy: Optional[list[str]] = None
     process_group_backend: Optional[str] = None
     timeout: float = 1800.0
     start_method: str = "popen"
@@ -116,15 +131,26 @@ class ZeroStrategyConf:
             raise ConfigError(f"min_num_params={self.min_num_params!r} is invalid: expected null or an integer >= 1")
         if self.model_init not in MODEL_INIT_MODES:
             raise ConfigError(f"model_init={self.model_init!r} is invalid: expected one of {MODEL_INIT_MODES}")
-        stage3 = self.min_num_params is not None or not self.reshard_after_forward or self.model_init != "auto"
-        if self.stage != 3 and stage3:
-            raise ConfigError(
-                f"min_num_params, reshard_after_forward and model_init apply to stage=3 only: got stage={self.stage}"
-                f" with min_num_params={self.min_num_params}, reshard_after_forward={self.reshard_after_forward},"
-                f" model_init={self.model_init!r}"
-            )
+        if self.auto_wrap_policy is not None and self.min_num_params is not None:
+            raise ConfigError("auto_wrap_policy and min_num_params are exclusive: set one of them (or neither)")
+        stage3 = {
+            "auto_wrap_policy": self.auto_wrap_policy is not None,
+            "min_num_params": self.min_num_params is not None,
+            "reshard_after_forward": not self.reshard_after_forward,
+            "model_init": self.model_init != "auto",
+        }
+        if self.stage != 3 and any(stage3.values()):
+            settings = ", ".join(f"{k}={getattr(self, k)!r}" for k, v in stage3.items() if v)
+            raise ConfigError(f"{settings} apply to stage=3 only: got stage={self.stage}")
         _check_common(self.process_group_backend, self.timeout, self.start_method)
         _check_precision_settings(self)
+        _check_module_classes(self)
+        try:
+            parse_dtype("grad_accum_dtype", self.grad_accum_dtype)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        if self.stage == 3 and self.grad_accum_dtype not in (None, "auto"):
+            raise ConfigError(f"grad_accum_dtype={self.grad_accum_dtype!r} applies to stages 1 and 2 only: got stage=3")
 
 
 @dataclass
@@ -150,6 +176,7 @@ class RobustDDPStrategyConf:
     reduce_dtype: Optional[str] = "auto"
     master_weights: bool = False
     cast_module: bool = False
+    activation_checkpointing_policy: Optional[list[str]] = None
     process_group_backend: Optional[str] = None
     timeout: float = 1800.0
     start_method: str = "popen"
@@ -162,6 +189,7 @@ class RobustDDPStrategyConf:
         self.aggregator_pipeline()
         _check_common(self.process_group_backend, self.timeout, self.start_method)
         _check_precision_settings(self)
+        _check_module_classes(self)
 
     def aggregator_pipeline(self) -> RobustAggregator:
         """The aggregator these settings build (unknown names and parameters raise :class:`ConfigError`)."""

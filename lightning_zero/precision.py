@@ -19,9 +19,11 @@ Runbook::
 - ``reduce_dtype``: the dtype gradients are averaged in (a copy per bucket or unit; the result is cast back).
 - ``master_dtype``: fp32 *master weights*, the values the optimizer updates, kept apart from parameters that are
   rounded or stored in low precision (ZeRO: this rank's shard, so the extra is 4Ψ/N; ``ddp_scratch``: every
-  parameter). Gradients accumulate across micro-batches in it. Checkpoints carry the masters (the ZeRO-3 shards are
-  them; ZeRO-1/2 and ``ddp_scratch`` add each parameter's ``"master"`` to the optimizer state, as DeepSpeed keeps its
-  fp32 partitions), so a resume is bit-identical; a fit hands the masters back into the module, in its own dtype.
+  parameter). Gradients accumulate across micro-batches in it (ZeRO-1/2's ``grad_accum_dtype`` stores them in
+  another: [Note: tensor roles] in ``lightning_zero/sharded_optimizer.py``). Checkpoints carry the masters (the
+  ZeRO-3 shards are them; ZeRO-1/2 and ``ddp_scratch`` add each parameter's ``"master"`` to the optimizer state, as
+  DeepSpeed keeps its fp32 partitions), so a resume is bit-identical; a fit hands the masters back into the module,
+  in its own dtype.
 - ``cast_dtype`` (``cast_module=True``, ``-mixed`` only): keep the module's parameters and floating-point buffers in
   the low-precision dtype and cast floating-point inputs to it, as DeepSpeed's ``bf16``/``fp16`` modes do: the ZeRO
   paper's 2 bytes per parameter. It needs a module whose forward never mixes that dtype with float32 tensors of its

@@ -4,6 +4,7 @@ Runbook::
 
     engine = ShardedOptimizer(module, optimizer, stage=2, grad_sync="microbatch", bucket_cap_bytes=25 * 2**20)
     loss.backward()            # buckets reduced while backward runs; this rank's slice lands in the shard's .grad
+    engine.before_step()       # the shard gradients ready for the optimizer (fp32 copies under grad_accum_dtype)
     engine.clip_grad_norm_(1.0)  # optional: global norm over all shards (one scalar all-reduce)
     optimizer.step()           # the user's optimizer object, now stepping the shards only
     engine.after_step()        # all-gather the updated shards into the full parameters
@@ -22,6 +23,11 @@ Runbook::
   grads are fp32 (accumulation in fp32), and after the step each rank's master is rounded to ``gather_dtype`` and
   all-gathered into the flat param. Its value goes into checkpoints as
   the optimizer state ``"master"`` (the module weights are the rounded copy), as DeepSpeed keeps fp32 partitions.
+- *gradient storage in* ``accum_dtype`` (DeepSpeed's ``grad_accum_dtype``): gradient buckets, stage 1's flat gradient
+  and stage 2's shard accumulator in a low-precision dtype instead of the master's, so the gradients cost 2 bytes per
+  element (the ZeRO paper's accounting: stage 1 4Ψ + 12Ψ/N, stage 2 2Ψ + 14Ψ/N with a 2-byte module). The shard
+  param's ``.grad`` must have its dtype, so :meth:`ShardedOptimizer.before_step` gives it a copy of the accumulated
+  shard gradient in that dtype, which :meth:`ShardedOptimizer.after_step` drops (4Ψ/N in fp32, during the step only).
 - *gradient buckets*: contiguous ranges of a flat group, filled in reverse registration order and all-reduced
   (average) from autograd hooks by :class:`~lightning_zero.reducer.GradientReducer` while backward runs.
 
@@ -86,6 +92,7 @@ class _FlatGroup:
         cast_dtype: torch.dtype | None = None,
         gather_dtype: torch.dtype | None = None,
         master_dtype: torch.dtype | None = None,
+        accum_dtype: torch.dtype | None = None,
     ) -> None:
         if not params:
             raise ValueError(f"param group {index} has no trainable parameters: drop the group or unfreeze some")
@@ -120,7 +127,9 @@ class _FlatGroup:
         else:
             self.shard = nn.Parameter(self.flat.narrow(0, self.start, self.end - self.start))
         self.has_master = master is not None
-        self.grad_dtype = self.shard.dtype  # gradients accumulate in the dtype the optimizer updates
+        self.grad_dtype = accum_dtype or self.shard.dtype  # by default the dtype the optimizer updates
+        self.casts_grad = self.grad_dtype != self.shard.dtype  # shard.grad is a copy made in before_step
+        self.accumulating = False  # a reduction of the current window went into the gradient storage
         # The group as the user built it (frozen ones included): how the full state dict numbers parameters.
         self.original_params = original_params
         self.flat_grad: Tensor | None = None  # persistent full gradient (stage 1, boundary)
@@ -142,6 +151,8 @@ class ShardedOptimizer:
         master_dtype: dtype of the shard the optimizer updates, kept apart when the parameters are in, or gathered
             in, another ([Note: tensor roles], master shard).
         reduce_dtype: dtype gradients are all-reduced in (``None``: the accumulation dtype).
+        accum_dtype: dtype gradients are stored and accumulated in (``None``: the dtype the optimizer updates; see
+            [Note: tensor roles]).
         find_unused_parameters: allow parameters without a gradient in a backward pass (see
             :class:`~lightning_zero.reducer.GradientReducer`); a parameter no rank used in an optimizer step is left
             untouched by it ([Note: parameters no rank used] in ``lightning_zero/unused.py``).
@@ -161,6 +172,7 @@ class ShardedOptimizer:
         gather_dtype: torch.dtype | None = None,
         master_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype | None = None,
+        accum_dtype: torch.dtype | None = None,
         group: object = None,
     ) -> None:
         if stage not in (1, 2):
@@ -195,6 +207,7 @@ class ShardedOptimizer:
                 cast_dtype,
                 gather_dtype,
                 master_dtype,
+                accum_dtype,
             )
             param_group["params"] = [flat_group.shard]
             self.groups.append(flat_group)
@@ -237,7 +250,7 @@ class ShardedOptimizer:
             buckets.append(bucket)
         if not self.persistent:
             for g in self.groups:
-                g.shard_grad = torch.zeros_like(g.shard)
+                g.shard_grad = torch.zeros_like(g.shard, dtype=g.grad_dtype)
         return GradientReducer(
             [p for _, p, _, _ in entries],
             [name for name, *_ in entries],
@@ -251,17 +264,26 @@ class ShardedOptimizer:
 
     def _on_bucket_reduced(self, bucket: GradBucket) -> None:
         g, lo, hi = self._bucket_range[id(bucket)]
+        first, g.accumulating = not g.accumulating, True  # first: the first reduction since the last step
         if self.persistent:
-            g.shard.grad = g.flat_grad.narrow(0, g.start, g.end - g.start)
+            if not g.casts_grad:
+                g.shard.grad = self._shard_of_flat_grad(g)
             return
-        owned_lo, owned_hi = g.layout.owned(self.rank, lo, hi)
-        if g.shard.grad is None:  # first reduction of this accumulation window
+        if g.casts_grad and first:
+            g.shard_grad.zero_()  # the last window's sum went to shard.grad in before_step
+        elif not g.casts_grad and g.shard.grad is None:  # zeroed by the optimizer: a new window
             g.shard_grad.zero_()
             g.shard.grad = g.shard_grad
+        owned_lo, owned_hi = g.layout.owned(self.rank, lo, hi)
         if owned_lo < owned_hi:
-            g.shard.grad.narrow(0, owned_lo - g.start, owned_hi - owned_lo).add_(
+            g.shard_grad.narrow(0, owned_lo - g.start, owned_hi - owned_lo).add_(
                 bucket.buffer.narrow(0, owned_lo - lo, owned_hi - owned_lo)
             )
+
+    @staticmethod
+    def _shard_of_flat_grad(g: _FlatGroup) -> Tensor:
+        assert g.flat_grad is not None
+        return g.flat_grad.narrow(0, g.start, g.end - g.start)
 
     # ---------------------------------------------------------------- public
     @property
@@ -291,15 +313,25 @@ class ShardedOptimizer:
         return {self.reducer.names[i] for i in self.reducer.unused_everywhere}
 
     def before_step(self) -> None:
-        """Between the last backward of a window and the optimizer's update: hold what no rank used."""
+        """Between the last backward of a window and the optimizer's update (before unscaling and clipping): the
+        shard gradients stored in ``accum_dtype`` copied to the optimizer's dtype, and what no rank used held."""
+        for g in self.groups:
+            if g.casts_grad and g.accumulating:
+                grad = self._shard_of_flat_grad(g) if self.persistent else g.shard_grad
+                g.shard.grad = grad.to(g.shard.dtype)  # dropped again in after_step
+                g.accumulating = False
         if self.reducer.find_unused_parameters:
             self._held.hold(self.param_pieces, self.unused_everywhere)
 
     def after_step(self) -> None:
         """Put held pieces back, all-gather the updated shards into the full parameters, end the window (and drop
-        stage 1's full local gradients)."""
+        stage 1's full local gradients and the shard gradients' copies of ``accum_dtype``)."""
         self._held.restore()
         self.reducer.end_window()
+        for g in self.groups:
+            g.accumulating = False
+            if g.casts_grad:
+                g.shard.grad = None
         self._gather_params()
         if self.persistent:
             for g in self.groups:

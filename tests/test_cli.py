@@ -67,6 +67,19 @@ def test_our_strategy_configs_are_typed_and_instantiate(compose_cfg, name: str) 
         assert strategy.stage == int(name[4])
 
 
+def test_module_class_settings_take_import_paths(compose_cfg) -> None:
+    from lightning_zero.demo.model import Block
+
+    cfg = compose_cfg(
+        "strategy=zero3_scratch",
+        "strategy.auto_wrap_policy=[lightning_zero.demo.model.Block]",
+        "strategy.activation_checkpointing_policy=[lightning_zero.demo.model.Block]",
+        "strategy.grad_accum_dtype=null",
+    )
+    strategy = instantiate(cfg.strategy)
+    assert strategy.auto_wrap_policy == strategy.activation_checkpointing_policy == {Block}
+
+
 def test_lightning_ddp_config_instantiates(compose_cfg) -> None:
     from lightning.pytorch.strategies import DDPStrategy
 
@@ -116,6 +129,16 @@ def test_callbacks_and_logger_instantiate(compose_cfg, tmp_path: Path) -> None:
         (["trainer.num_nodes=0"], "trainer.num_nodes=0 is invalid"),
         (["+trainer.max_stepz=3"], "trainer has unknown keys ['max_stepz']"),
         (["strategy.reduce_dtype=int8"], "reduce_dtype='int8' is invalid: expected 'auto', one of ['bf16'"),
+        (["strategy=zero1_scratch", "strategy.grad_accum_dtype=int8"], "grad_accum_dtype='int8' is invalid"),
+        (["strategy=zero3_scratch", "strategy.grad_accum_dtype=bf16"], "applies to stages 1 and 2 only: got stage=3"),
+        (
+            ["strategy=ddp_scratch", "strategy.activation_checkpointing_policy=[nope.Block]"],
+            "activation_checkpointing_policy: cannot import 'nope.Block'",
+        ),
+        (
+            ["strategy=zero1_scratch", "strategy.auto_wrap_policy=[torch.nn.Linear]"],
+            "auto_wrap_policy=['torch.nn.Linear'] apply to stage=3 only: got stage=1",
+        ),
         (
             ["strategy=zero2_scratch", "strategy.param_dtype=bf16", "trainer.precision=32-true"],
             "with trainer.precision='32-true': param_dtype=torch.bfloat16 needs a low-precision Trainer precision",

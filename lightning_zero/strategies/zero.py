@@ -56,6 +56,8 @@ from lightning_zero.materialize import (
     meta_nbytes,
     unreplayed_init,
 )
+from lightning_zero.module_classes import module_classes
+from lightning_zero.precision import DEFAULT, parse_dtype
 from lightning_zero.sharded_optimizer import GRAD_SYNC_MODES, ShardedOptimizer
 from lightning_zero.sharded_params import ShardedParams
 from lightning_zero.strategies.base import ScratchParallelStrategy, SpawnLauncher
@@ -96,6 +98,10 @@ class ZeroStrategy(ScratchParallelStrategy):
             no rank ever holds the model) or ``"auto"`` (``"full"`` when it fits comfortably in memory). See
             [Note: model construction] in ``lightning_zero/materialize.py``. The same rule decides whether the
             weights are gathered back into the module when a fit ends.
+        grad_accum_dtype: stages 1 and 2: the dtype gradients are stored and accumulated in (DeepSpeed's setting of
+            that name): ``None`` (default: the dtype the optimizer updates, fp32 under mixed precision) or
+            ``"bf16"``/``"fp16"``/``"fp32"``/a torch dtype. ``"bf16"`` with ``cast_module=True`` is the ZeRO paper's
+            accounting (2-byte parameters and gradients); accumulation across micro-batches then rounds to bf16.
         **kwargs: see :class:`~lightning_zero.strategies.base.ScratchParallelStrategy` (``find_unused_parameters``,
             ``broadcast_buffers``, the precision settings ``param_dtype``, ``reduce_dtype``, ``cast_module`` and
             ``master_weights``, ``process_group_backend``, ``timeout``, ``start_method``).
@@ -113,6 +119,7 @@ class ZeroStrategy(ScratchParallelStrategy):
         min_num_params: int | None = None,
         reshard_after_forward: bool = True,
         model_init: str = "auto",
+        grad_accum_dtype: str | torch.dtype | None = None,
         **kwargs: Any,
     ) -> None:
         if stage not in STAGES:
@@ -120,6 +127,13 @@ class ZeroStrategy(ScratchParallelStrategy):
         stage3_only = {"auto_wrap_policy": auto_wrap_policy, "min_num_params": min_num_params}
         stage3_only["reshard_after_forward"] = None if reshard_after_forward is True else reshard_after_forward
         stage3_only["model_init"] = None if model_init == "auto" else model_init
+        accum_dtype = parse_dtype("grad_accum_dtype", grad_accum_dtype)
+        accum_dtype = None if accum_dtype is DEFAULT else accum_dtype
+        if stage == 3 and accum_dtype is not None:
+            raise ValueError(
+                f"grad_accum_dtype={grad_accum_dtype!r} applies to stages 1 and 2 only: stage=3 accumulates in its"
+                " fp32 shard"
+            )
         if model_init not in MODEL_INIT_MODES:
             raise ValueError(f"model_init={model_init!r} is invalid: expected one of {MODEL_INIT_MODES}")
         misplaced = [k for k, v in stage3_only.items() if v is not None]
@@ -129,10 +143,7 @@ class ZeroStrategy(ScratchParallelStrategy):
             raise ValueError("auto_wrap_policy and min_num_params are exclusive: pass one of them (or neither)")
         if min_num_params is not None and (type(min_num_params) is not int or min_num_params < 1):
             raise ValueError(f"min_num_params={min_num_params!r} is invalid: expected an integer >= 1")
-        if auto_wrap_policy is not None:
-            auto_wrap_policy = set(auto_wrap_policy)
-            if not auto_wrap_policy or not all(isinstance(c, type) for c in auto_wrap_policy):
-                raise ValueError(f"auto_wrap_policy={auto_wrap_policy!r} is invalid: expected a set of module classes")
+        auto_wrap_policy = module_classes("auto_wrap_policy", auto_wrap_policy)
         if grad_sync is not None and grad_sync not in GRAD_SYNC_MODES:
             raise ValueError(f"grad_sync={grad_sync!r} is invalid: expected one of {GRAD_SYNC_MODES} or None")
         if isinstance(bucket_size_mb, bool) or not isinstance(bucket_size_mb, (int, float)) or bucket_size_mb <= 0:
@@ -147,6 +158,7 @@ class ZeroStrategy(ScratchParallelStrategy):
         self.auto_wrap_policy, self.min_num_params = auto_wrap_policy, min_num_params
         self.reshard_after_forward = reshard_after_forward
         self.model_init = model_init
+        self.grad_accum_dtype = accum_dtype
         self._engine: ShardedOptimizer | None = None
         self._params: ShardedParams | None = None
         self._init_rng_state: dict[str, torch.Tensor] | None = None
@@ -236,6 +248,7 @@ class ZeroStrategy(ScratchParallelStrategy):
                 grad_sync=self.grad_sync,
                 bucket_cap_bytes=int(self.bucket_size_mb * 2**20),
                 find_unused_parameters=self.find_unused_parameters,
+                accum_dtype=self.grad_accum_dtype,
                 **self._engine_dtypes(),
             )
             self._record_trainable()

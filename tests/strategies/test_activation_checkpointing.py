@@ -100,10 +100,28 @@ def test_zero3_recompute_regathers_nested_units(runs):
         assert max(whole["saved"]) < max(rank_runs[("zero3_scratch", "block")]["saved"])
 
 
-@pytest.mark.parametrize("policy", [{"Block"}, set(), {int}, Block])
-def test_bad_policy_is_refused(policy):
-    with pytest.raises(ValueError, match=r"activation_checkpointing_policy=.* is invalid: expected a set of nn.Module"):
+@pytest.mark.parametrize(
+    ("policy", "message"),
+    [
+        ({"Block"}, "activation_checkpointing_policy: cannot import 'Block'"),
+        ({"torch.nn.NoSuchLayer"}, "cannot import 'torch.nn.NoSuchLayer'"),
+        (set(), r"activation_checkpointing_policy=set\(\) is invalid: it is empty"),
+        ({int}, "is not an nn.Module class"),
+        (Block, "activation_checkpointing_policy=.* is invalid: expected a set of nn.Module classes"),
+    ],
+)
+def test_bad_policy_is_refused(policy, message):
+    with pytest.raises(ValueError, match=message):
         ZeroStrategy(stage=3, activation_checkpointing_policy=policy)
+
+
+def test_policy_by_import_path_as_a_hydra_config_gives_it():
+    from omegaconf import OmegaConf
+
+    paths = OmegaConf.create(["torch.nn.TransformerEncoderLayer", "torch.nn.Linear"])
+    strategy = ZeroStrategy(stage=3, activation_checkpointing_policy=paths, auto_wrap_policy=paths)
+    assert strategy.activation_checkpointing_policy == strategy.auto_wrap_policy
+    assert strategy.auto_wrap_policy == {torch.nn.TransformerEncoderLayer, torch.nn.Linear}
 
 
 def test_saved_bytes_counter_sees_activations():

@@ -6,18 +6,24 @@ rise of the process's peak resident memory (``VmHWM``, reset through ``/proc/sel
 ``trainer.save_checkpoint``, with glibc returning large blocks at once (``MALLOC_MMAP_THRESHOLD_``), in processes
 started by :func:`tests.helpers.workers.run_workers`. Before this rule each rank gathered every parameter and every
 optimizer moment: +12Ψ bytes per rank.
+
+Loading one is the mirror image: the file is memory-mapped and each rank copies only its pieces into its shards. The
+pages of the file a rank reads count in its resident memory but are the page cache's, shared by the ranks and
+reclaimable, so the load is measured as the peak rise *less* the rise of file-backed resident memory (``RssFile``).
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+from typing_extensions import override
 
 from lightning_zero import ZeroStrategy
 from tests.helpers.parity import quiet_trainer
@@ -56,6 +62,43 @@ def _save_peak(stage: int, path: str) -> dict:
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
     trainer.save_checkpoint(path)
     return {"extra": _kib("VmHWM") - before, "rank": trainer.global_rank}
+
+
+class _MeasuredLoad(ZeroStrategy):
+    """Records the memory that ``load_checkpoint`` (the file, the model pieces under ZeRO-3, the optimizer pieces)
+    adds beyond what it reads from the page cache."""
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        before, file_before = _kib("VmRSS"), _kib("RssFile")
+        Path("/proc/self/clear_refs").write_text("5")
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
+        self.load_extra = _kib("VmHWM") - before - (_kib("RssFile") - file_before)
+        return checkpoint
+
+
+def _load_peak(stage: int, path: str) -> dict:
+    data = DataLoader(TensorDataset(torch.randn(8, WIDTH)), batch_size=2)
+    torch.manual_seed(0)
+    trainer = quiet_trainer(ZeroStrategy(stage=stage, state_dict_type="full"), max_steps=1)
+    trainer.fit(Blocks(), data)
+    trainer.save_checkpoint(path)
+    strategy = _MeasuredLoad(stage=stage, state_dict_type="full")
+    trainer = quiet_trainer(strategy, max_steps=2)
+    trainer.fit(Blocks(), data, ckpt_path=path)
+    return {"extra": strategy.load_extra, "rank": trainer.global_rank}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("stage", [2, 3])
+def test_loading_builds_only_this_ranks_optimizer_state(tmp_path, monkeypatch, stage):
+    """Each rank's extra memory while loading is its own shard of AdamW's moments (8Ψ/N, created by the load) plus
+    about one block, not the whole optimizer state (8Ψ) or the whole file (12Ψ) as a plain ``torch.load`` gives."""
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+    results = run_workers(_load_peak, 2, stage, str(tmp_path / "full.ckpt"), timeout=500)
+    psi = BLOCKS * (WIDTH * WIDTH + WIDTH)
+    for result in results:
+        assert result["extra"] <= 8 * psi / 2 + 2 * UNIT_BYTES + 4 * MiB, (result["extra"] / MiB, 8 * psi / MiB)
 
 
 @pytest.mark.timeout(600)

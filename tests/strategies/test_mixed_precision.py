@@ -212,6 +212,9 @@ def _all_runs(directory: str) -> dict:
         runs[(name, "bf16-mixed", "reduce_bf16")] = _fit(name, "bf16-mixed", reduce_dtype="bf16")
         runs[(name, "bf16-mixed", "cast_module")] = _fit(name, "bf16-mixed", cast_module=True)
         runs[(name, "16-mixed", "inject")] = _fit(name, "16-mixed", inject=(2, 1))
+    for name in ("zero1_scratch", "zero2_scratch"):
+        runs[(name, "bf16-mixed", "accum_bf16")] = _fit(name, "bf16-mixed", grad_accum_dtype="bf16")
+        runs[(name, "bf16-mixed", "paper")] = _fit(name, "bf16-mixed", cast_module=True, grad_accum_dtype="bf16")
     for name in ("zero1_scratch", "zero2_scratch", "zero3_scratch"):
         runs[(name, "bf16-mixed", "param_fp32")] = _fit(name, "bf16-mixed", param_dtype=None)
         runs[(name, "32-true")] = _fit(name, "32-true")
@@ -239,6 +242,7 @@ class Rules:
     rounded: torch.dtype | None  # the dtype the values forward sees are rounded to (param_dtype)
     reduce: torch.dtype = torch.float32
     scaler: bool = False
+    accum: torch.dtype = torch.float32  # the dtype each rank's gradient and the averaged one are stored in
 
 
 def rules_of(name: str, precision: str, variant: str | None = None) -> Rules:
@@ -248,6 +252,10 @@ def rules_of(name: str, precision: str, variant: str | None = None) -> Rules:
     zero = name.startswith("zero")
     if variant == "cast_module":
         return Rules(low, low, low)
+    if variant == "paper":  # cast_module=True, grad_accum_dtype=bf16
+        return Rules(low, low, low, accum=low)
+    if variant == "accum_bf16":
+        return Rules(low, torch.float32, low, accum=low)
     rounded = low if zero and variant != "param_fp32" else None
     reduce = torch.bfloat16 if variant == "reduce_bf16" else torch.float32
     return Rules(low, torch.float32, rounded, reduce, scaler=precision == "16-mixed")
@@ -313,12 +321,12 @@ def _reference(rules: Rules, inject_step, world: int, steps: int, device: str, i
             with torch.autocast(torch.device(device).type, dtype=rules.autocast) if rules.autocast else nullcontext():
                 loss = F.mse_loss(net(x).float(), y.float())
             (scaler.scale(loss) if scaler is not None else loss).backward()
-            per_rank.append([p.grad.float() for p in net.parameters()])
+            per_rank.append([p.grad.to(rules.accum) for p in net.parameters()])
         for m, grads in zip(masters, zip(*per_rank)):
             total = grads[0].to(rules.reduce)
             for grad in grads[1:]:
                 total = total + grad.to(rules.reduce)
-            m.grad = (total / world).float()
+            m.grad = (total / world).to(rules.accum).float()
         if step == inject_step:
             masters[0].grad.view(-1)[0] = float("inf")
         if scaler is not None:
@@ -337,7 +345,7 @@ def _reference(rules: Rules, inject_step, world: int, steps: int, device: str, i
 # ---------------------------------------------------------------- tests
 def _variants(name: str) -> list[tuple]:
     keys = [(name, precision) for precision in PRECISIONS]
-    keys += [(name, "bf16-mixed", v) for v in ("reduce_bf16", "cast_module", "param_fp32")]
+    keys += [(name, "bf16-mixed", v) for v in ("reduce_bf16", "cast_module", "param_fp32", "accum_bf16", "paper")]
     return keys
 
 
@@ -423,19 +431,22 @@ def test_parameters_gathered_in_param_dtype_gradients_reduced_in_reduce_dtype(ru
     assert sent(fp32, reduce_op, "grads") > 0
     assert sent(mixed, reduce_op, "grads") == sent(fp32, reduce_op, "grads")
     assert sent(low, reduce_op, "grads") == sent(fp32, reduce_op, "grads") // 2
+    if name != "zero3_scratch":  # gradients stored in bf16 are still reduced in reduce_dtype (fp32)
+        assert sent((name, "bf16-mixed", "accum_bf16"), reduce_op, "grads") == sent(fp32, reduce_op, "grads")
 
 
 def _paper_terms(key: tuple) -> tuple[int, float, float, float]:
     """ZeRO stage and bytes per element (params, grads, optimizer K) that each configuration keeps: gradients
-    accumulate in fp32 (4); K = 8 (AdamW's moments) plus 4 when fp32 master weights are kept apart; the unsharded
-    parameters in the module's dtype (4, or 2 when cast); under ZeRO-3 the fp32 shard is the master (K = 8)."""
+    accumulate in fp32 (4) unless ``grad_accum_dtype="bf16"`` (2); K = 8 (AdamW's moments) plus 4 when fp32 master
+    weights are kept apart; the unsharded parameters in the module's dtype (4, or 2 when cast); under ZeRO-3 the fp32
+    shard is the master (K = 8)."""
     name, precision, variant = (*key, None)[:3]
     stage = 0 if name == "ddp_scratch" else int(name[4])
-    low_module = precision.endswith("-true") or variant == "cast_module"
+    low_module = precision.endswith("-true") or variant in ("cast_module", "paper")
     masters = (stage in (1, 2) and variant != "param_fp32") or low_module
     if stage == 3:
         return 3, 4, 4, 8
-    return stage, 2 if low_module else 4, 4, 12 if masters else 8
+    return stage, 2 if low_module else 4, 2 if variant in ("accum_bf16", "paper") else 4, 12 if masters else 8
 
 
 @pytest.mark.timeout(900)
@@ -455,6 +466,22 @@ def test_model_state_bytes_follow_the_zero_accounting(runs, name):
             )
             measured = run["memory"].total - run["pool"]
             assert measured == pytest.approx(expected, rel=0.01), (key, run["memory"], expected)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", ["zero1_scratch", "zero2_scratch"])
+def test_cast_module_with_bf16_gradients_is_the_papers_accounting(runs, name):
+    """``cast_module=True, grad_accum_dtype="bf16"``: 2Ψ bf16 parameters, 2Ψ (stage 1) or 2Ψ/N (stage 2) bf16
+    gradients and 12Ψ/N of fp32 masters and AdamW moments: 4Ψ + 12Ψ/N and 2Ψ + 14Ψ/N, the ZeRO paper's figures
+    (``zero_model_state_bytes``' defaults), within 1% plus stage 2's two pooled buckets."""
+    stage = int(name[4])
+    for rank_runs in runs:
+        run = rank_runs[(name, "bf16-mixed", "paper")]
+        psi = run["psi"]
+        paper = (4 * psi + 12 * psi / WORLD) if stage == 1 else (2 * psi + 14 * psi / WORLD)
+        assert zero_model_state_bytes(stage, psi, WORLD) == pytest.approx(paper)
+        assert run["memory"].total - run["pool"] == pytest.approx(paper, rel=0.01), run["memory"]
+        assert run["pool"] <= 2 * 2 * psi  # two bf16 buckets at most
 
 
 @pytest.mark.timeout(900)

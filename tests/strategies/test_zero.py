@@ -247,6 +247,8 @@ def test_full_checkpoint_loads_into_plain_pytorch_without_lightning_zero(tmp_pat
         ({"grad_sync": "sometimes"}, "grad_sync='sometimes' is invalid: expected one of"),
         ({"bucket_size_mb": 0}, "bucket_size_mb=0 is invalid"),
         ({"state_dict_type": "zip"}, "state_dict_type='zip' is invalid"),
+        ({"grad_accum_dtype": "int8"}, "grad_accum_dtype='int8' is invalid: expected 'auto', one of"),
+        ({"stage": 3, "grad_accum_dtype": "bf16"}, "grad_accum_dtype='bf16' applies to stages 1 and 2 only"),
     ],
 )
 def test_bad_settings_raise_one_clear_value_error(kwargs, message):

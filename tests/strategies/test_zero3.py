@@ -429,7 +429,8 @@ def test_diverging_after_the_order_is_planned_fails_within_the_timeout_naming_a_
     [
         ({"stage": 2, "auto_wrap_policy": {nn.Linear}}, "auto_wrap_policy apply to stage=3 only: got stage=2"),
         ({"stage": 1, "reshard_after_forward": False}, "reshard_after_forward apply to stage=3 only"),
-        ({"stage": 3, "auto_wrap_policy": {"Block"}}, "auto_wrap_policy=.* is invalid: expected a set of module"),
+        ({"stage": 3, "auto_wrap_policy": {"Block"}}, "auto_wrap_policy: cannot import 'Block'"),
+        ({"stage": 3, "auto_wrap_policy": nn.Linear}, "auto_wrap_policy=.* is invalid: expected a set of nn.Module"),
         ({"stage": 3, "min_num_params": 0}, "min_num_params=0 is invalid: expected an integer >= 1"),
         ({"stage": 3, "auto_wrap_policy": {nn.Linear}, "min_num_params": 5}, "exclusive"),
     ],
