@@ -328,6 +328,7 @@ def test_cli_runs_the_digits_experiment(tmp_path: Path) -> None:
 # ---- hparams_search=optuna ----------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # the popen sweep of tests/test_multirun.py runs the real CLI in the default run
 @pytest.mark.skipif(not HAS_OPTUNA, reason=NEEDS_OPTUNA)
 @pytest.mark.timeout(150)
 def test_cli_optuna_sweep_runs_its_trials(tmp_path: Path) -> None:

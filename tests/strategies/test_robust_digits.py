@@ -53,6 +53,11 @@ def _fit(rule: str, attack: str | None = None) -> tuple[float, lightning_zero.Ro
     return float(trainer.callback_metrics["val/acc"]), strategy
 
 
+# 18 fits of the digits MLP (~90 s): in the slow run (CI runs it too); tests/strategies/test_robust.py keeps the
+# strategy's multi-process tests in the default run.
+pytestmark = pytest.mark.slow
+
+
 @pytest.fixture(scope="module")
 def accuracies() -> dict:
     saved = dict(os.environ)

@@ -32,6 +32,8 @@ from tests.helpers.parity import (
 from tests.helpers.probes import LedgerPerBatch
 from tests.helpers.workers import run_workers
 
+SLOW = pytest.mark.slow  # the rest of a matrix: in the slow run (CI runs both)
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TOLERANCE = 1e-5
 SMALL_BUCKET_MB = 1024 / 2**20  # 1 KiB: several buckets even on the small parity net
@@ -195,8 +197,10 @@ def _straight_save_resume(stage: int, ckpt: str, state_dict_type: str) -> dict:
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("state_dict_type", ["sharded", "full"])
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize(
+    ("stage", "state_dict_type"),
+    [(2, "sharded"), (1, "full"), pytest.param(1, "sharded", marks=SLOW), pytest.param(2, "full", marks=SLOW)],
+)
 def test_resume_is_bit_identical_and_reshards_to_another_world_size(tmp_path, stage, state_dict_type):
     ckpt = tmp_path / "epoch1.ckpt"
     result = run_workers(_straight_save_resume, 2, stage, str(ckpt), state_dict_type, timeout=300)[0]
@@ -289,7 +293,7 @@ def _bad_fit(case: str, ckpt: str) -> str:
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("state_dict_type", ["sharded", "full"])
+@pytest.mark.parametrize("state_dict_type", ["sharded", pytest.param("full", marks=SLOW)])
 def test_multiple_optimizers_and_mismatched_checkpoints_fail_clearly(tmp_path, state_dict_type):
     ckpt = str(tmp_path / "one.ckpt")
     run_workers(_fit_and_save, 1, 1, 2, ckpt, 1, state_dict_type, timeout=150)

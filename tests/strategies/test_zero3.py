@@ -37,6 +37,8 @@ from tests.helpers.parity import (
 from tests.helpers.probes import LedgerPerBatch
 from tests.helpers.workers import run_workers
 
+SLOW = pytest.mark.slow  # the rest of a matrix: in the slow run (CI runs both)
+
 TOLERANCE = 1e-5
 
 # (model, grad_sync, accumulate_grad_batches, optimizer, build): AdamW + norm clipping on the MLP for every mode x g,
@@ -347,7 +349,7 @@ def _straight_save_resume(ckpt: str, state_dict_type: str) -> dict:
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("state_dict_type", ["sharded", "full"])
+@pytest.mark.parametrize("state_dict_type", ["sharded", pytest.param("full", marks=SLOW)])
 def test_resume_is_bit_identical_and_reshards_to_another_world_size(tmp_path, state_dict_type):
     ckpt = tmp_path / "epoch1.ckpt"
     result = run_workers(_straight_save_resume, 2, str(ckpt), state_dict_type, timeout=300)[0]
