@@ -1,4 +1,4 @@
-"""gloo collectives: native reduce-scatter/all-gather vs the substitutes in :mod:`lightning_zero.collectives`.
+"""gloo collectives: native reduce-scatter/all-gather vs the substitutes in :mod:`lightning_zero.comm.collectives`.
 
 Runbook::
 
@@ -14,9 +14,9 @@ For every size, interleaved rep by rep (A B C D E A B C D E ...), after ``--warm
 
 - ``rs native``: ``dist.reduce_scatter_tensor`` (called by its torch 2.13 name ``reduce_scatter_single`` when it
   exists: the old name is a deprecated wrapper around it);
-- ``rs lightning_zero``: :func:`lightning_zero.collectives.reduce_scatter`;
+- ``rs lightning_zero``: :func:`lightning_zero.comm.collectives.reduce_scatter`;
 - ``ag native``: ``dist.all_gather_into_tensor`` (``all_gather_single``);
-- ``ag lightning_zero``: :func:`lightning_zero.collectives.all_gather`;
+- ``ag lightning_zero``: :func:`lightning_zero.comm.collectives.all_gather`;
 - ``all_reduce``: plain in-place ``dist.all_reduce``, the reference.
 
 Every call starts after a barrier; a rep's time is the slowest rank's. ``size`` is the full tensor in every row
@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_zero import collectives as comm
+from lightning_zero.comm import collectives as comm
 
 MIB = 2**20
 # torch 2.13 renamed the tensor-in/tensor-out collectives; the old names warn on every call.

@@ -6,7 +6,7 @@ one-GPU companion, for a machine with a single GPU::
     python benchmarks/gpu_step_time.py                                  # gpt25m, 32-true and bf16-mixed
     python benchmarks/gpu_step_time.py --preset tiny --steps 6 --warmup 2 --rounds 1   # smoke run
 
-At world size 1 no collective moves data (``lightning_zero.collectives`` copies locally), so the figures are each
+At world size 1 no collective moves data (``lightning_zero.comm.collectives`` copies locally), so the figures are each
 strategy's per-step overhead on the GPU (hooks, flat buffers, gathers/frees of ZeRO-3 units, master weights, casts)
 against Lightning's ``ddp`` (torch ``DistributedDataParallel``) on the same model, data and ``AdamW(fused=True)``.
 

@@ -45,8 +45,8 @@ Candidates:
 
 Precision (``--precision``, default ``32-true``): under ``bf16-mixed`` Lightning's ``MixedPrecision`` plugin runs every
 candidate's forward under CPU autocast to bf16. lightning_zero's strategies take their default policy from it
-([Note: precision policy] in ``lightning_zero/precision.py``): gradients reduced and accumulated in fp32; the ZeRO
-stages gather the parameters in bf16 and the module computes with their rounded values (they warn once about it, on
+([Note: precision policy] in ``lightning_zero/training/precision.py``): gradients reduced and accumulated in fp32; the
+ZeRO stages gather the parameters in bf16 and the module computes with their rounded values (they warn once about it, on
 stderr), with fp32 master shards. ``fsdp2`` gets FSDP2's
 ``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)`` in ``configure_model``, the same rules:
 without it FSDP2 would gather fp32 under autocast. ``ModelParallelStrategy`` also accepts ``bf16-true``, but there
@@ -57,31 +57,32 @@ Columns ``vs ddp``, ``vs nocomm``, ``vs ddp_zero_redundancy`` and ``vs fsdp2`` (
 ratios of median step times.
 
 Memory: at ``on_train_end`` of every fit (before teardown), the per-rank model-state bytes are counted with
-:func:`lightning_zero.memory.strategy_model_state_bytes` (params, grads, optimizer state, strategy buffers; each storage
-once, in that order; the same count as the ``RunStats`` callback's) and compared with the ZeRO paper's accounting,
-:func:`lightning_zero.memory.zero_model_state_bytes`, for Ψ trainable parameters, N ranks, each candidate's stage
-(:data:`STAGES`) and the bytes per element it keeps at ``--precision`` (:data:`STATE_BYTES`: params, grads, optimizer
-K). ``32-true``, fp32 AdamW (4, 4, 8), gives the floors: ``ddp_scratch`` (and Lightning ``ddp``) 16Ψ, ``zero1_scratch``
-(and ``ddp_zero_redundancy``) 8Ψ + 8Ψ/N (4Ψ params + 4Ψ grads + 8Ψ/N Adam), ``zero2_scratch`` 4Ψ + 12Ψ/N
-(4Ψ + 4Ψ/N + 8Ψ/N), ``zero3_scratch`` and ``fsdp2`` 16Ψ/N (4Ψ/N + 4Ψ/N + 8Ψ/N). ``bf16-mixed`` (the README's table in
-"Mixed precision") is the same except for ``zero1_scratch`` and ``zero2_scratch``, whose fp32 master shard makes K = 12:
-8Ψ + 12Ψ/N and 4Ψ + 16Ψ/N. The ratio is printed for params + grads + optimizer and for the total; the two differ by the
-strategy buffers that no gradient aliases (zero2's two-bucket pool). For lightning_zero's candidates the strategy counts
-itself (``strategy.model_state_bytes()``): for the ZeRO candidates the parameters include the engine's shard parameters
-and the buffers are ``engine.strategy_buffers`` (with stage 2's default ``grad_sync="microbatch"`` the gradient is the
-shard accumulator, ``shard.grad``). For Lightning's ``ddp`` and ``ddp_zero_redundancy`` the strategy buffers of torch's
-C++ DDP reducer (~4Ψ of buckets) are not visible from Python and are left out; ``ddp_zero_redundancy``'s optimizer state
-is that of its local optimizer (``.optim``). ``fsdp2``'s parameters, gradients and AdamW moments are DTensors: their
-local shards (``DTensor.to_local()``, padded as FSDP2 pads them) are counted; its all-gather/reduce-scatter buffers
-(and, under ``bf16-mixed``, its bf16 unsharded parameters) are internal and transient (freed between steps), so no
-strategy buffers are reported. ``nocomm`` is not measured (same tensors as ``ddp_scratch``).
+:func:`lightning_zero.training.memory.strategy_model_state_bytes` (params, grads, optimizer state, strategy buffers;
+each storage once, in that order; the same count as the ``RunStats`` callback's) and compared with the ZeRO paper's
+accounting, :func:`lightning_zero.training.memory.zero_model_state_bytes`, for Ψ trainable parameters, N ranks, each
+candidate's stage (:data:`STAGES`) and the bytes per element it keeps at ``--precision`` (:data:`STATE_BYTES`: params,
+grads, optimizer K). ``32-true``, fp32 AdamW (4, 4, 8), gives the floors: ``ddp_scratch`` (and Lightning ``ddp``) 16Ψ,
+``zero1_scratch`` (and ``ddp_zero_redundancy``) 8Ψ + 8Ψ/N (4Ψ params + 4Ψ grads + 8Ψ/N Adam), ``zero2_scratch`` 4Ψ +
+12Ψ/N (4Ψ + 4Ψ/N + 8Ψ/N), ``zero3_scratch`` and ``fsdp2`` 16Ψ/N (4Ψ/N + 4Ψ/N + 8Ψ/N). ``bf16-mixed`` (the README's table
+in "Mixed precision") is the same except for ``zero1_scratch`` and ``zero2_scratch``, whose fp32 master shard makes K =
+12: 8Ψ + 12Ψ/N and 4Ψ + 16Ψ/N. The ratio is printed for params + grads + optimizer and for the total; the two differ by
+the strategy buffers that no gradient aliases (zero2's two-bucket pool). For lightning_zero's candidates the strategy
+counts itself (``strategy.model_state_bytes()``): for the ZeRO candidates the parameters include the engine's shard
+parameters and the buffers are ``engine.strategy_buffers`` (with stage 2's default ``grad_sync="microbatch"`` the
+gradient is the shard accumulator, ``shard.grad``). For Lightning's ``ddp`` and ``ddp_zero_redundancy`` the strategy
+buffers of torch's C++ DDP reducer (~4Ψ of buckets) are not visible from Python and are left out;
+``ddp_zero_redundancy``'s optimizer state is that of its local optimizer (``.optim``). ``fsdp2``'s parameters, gradients
+and AdamW moments are DTensors: their local shards (``DTensor.to_local()``, padded as FSDP2 pads them) are counted; its
+all-gather/reduce-scatter buffers (and, under ``bf16-mixed``, its bf16 unsharded parameters) are internal and transient
+(freed between steps), so no strategy buffers are reported. ``nocomm`` is not measured (same tensors as
+``ddp_scratch``).
 
-Traffic: :data:`lightning_zero.collectives.LEDGER` gives the bytes per optimizer step of the gradient reduction (tag
-``"grads"``, all-reduce or reduce-scatter of the buckets, input bytes) for the lightning_zero candidates, against 4Ψ
-(fp32 at both precisions), and of the parameter all-gather (tag ``"params"``, output bytes) for the ZeRO candidates, in
-their default ``param_dtype`` (b = 4 bytes under ``32-true``, 2 under ``bf16-mixed``): after the step for stages 1 and
-2, against bΨ; before each unit's forward and again before its backward for stage 3, against 2bΨ. Lightning's candidates
-(``ddp``, ``ddp_zero_redundancy``, ``fsdp2``) bypass the ledger.
+Traffic: :data:`lightning_zero.comm.collectives.LEDGER` gives the bytes per optimizer step of the gradient reduction
+(tag ``"grads"``, all-reduce or reduce-scatter of the buckets, input bytes) for the lightning_zero candidates, against
+4Ψ (fp32 at both precisions), and of the parameter all-gather (tag ``"params"``, output bytes) for the ZeRO candidates,
+in their default ``param_dtype`` (b = 4 bytes under ``32-true``, 2 under ``bf16-mixed``): after the step for stages 1
+and 2, against bΨ; before each unit's forward and again before its backward for stage 3, against 2bΨ. Lightning's
+candidates (``ddp``, ``ddp_zero_redundancy``, ``fsdp2``) bypass the ledger.
 
 The process group is created by the first fit and reused by every later one: Lightning's ``_init_dist_connection`` (used
 by ``DDPStrategy``, ``ModelParallelStrategy`` and by lightning_zero's strategies) returns early when
@@ -112,9 +113,9 @@ from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Str
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_zero import ScratchDDPStrategy, ZeroStrategy
-from lightning_zero.collectives import LEDGER
-from lightning_zero.memory import ModelStateBytes, strategy_model_state_bytes, zero_model_state_bytes
-from lightning_zero.precision import LOW_PRECISION
+from lightning_zero.comm.collectives import LEDGER
+from lightning_zero.training.memory import ModelStateBytes, strategy_model_state_bytes, zero_model_state_bytes
+from lightning_zero.training.precision import LOW_PRECISION
 
 try:  # run as a script, sys.path[0] is benchmarks/; imported from the repo root, it is a namespace package
     from benchmarks.gpt import GPT, PRESETS, Block, GPTConfig, GPTLightningModule, random_token_dataset
@@ -134,7 +135,7 @@ CANDIDATES = (
 DEFAULT_CANDIDATES = ("ddp_scratch", "ddp", "nocomm")  # the DDP figures; independent of --preset
 PEERS = ("ddp", "nocomm", "ddp_zero_redundancy", "fsdp2")  # ratio columns, when present
 ZERO_CANDIDATES = ("zero1_scratch", "zero2_scratch", "zero3_scratch")
-LEDGER_CANDIDATES = ("ddp_scratch", *ZERO_CANDIDATES)  # communicate through lightning_zero.collectives
+LEDGER_CANDIDATES = ("ddp_scratch", *ZERO_CANDIDATES)  # communicate through lightning_zero.comm.collectives
 PRECISIONS = ("32-true", "bf16-mixed")  # those the model-state table below covers
 # Parameter all-gathers per optimizer step, in units of Ψ elements: once after the step (stages 1 and 2), before each
 # unit's forward and again before its backward (stage 3). Each element is sent in the stages' default param_dtype.
@@ -145,7 +146,7 @@ HIDDEN_BUFFERS = {
     "ddp_zero_redundancy": "C++ DDP buckets",
     "fsdp2": "FSDP2's transient communication buffers",
 }
-# Model states per rank as the ZeRO paper counts them (lightning_zero.memory.zero_model_state_bytes): the stage
+# Model states per rank as the ZeRO paper counts them (lightning_zero.training.memory.zero_model_state_bytes): the stage
 # (0: plain data parallelism) that shards each candidate's states ...
 STAGES = {
     "ddp_scratch": 0,

@@ -5,11 +5,12 @@ Lightning has no entry point for strategies and its Trainer snapshots the regist
 must happen before ``Trainer(...)``. Hydra configs that name ``_target_: lightning_zero....`` import it for you.
 """
 
+from typing import Any
+
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_zero.grad_norm import grad_norm
-from lightning_zero.run_stats import RunStats
 from lightning_zero.strategies import RobustDDPStrategy, ScratchDDPStrategy, ScratchParallelStrategy, ZeroStrategy
+from lightning_zero.strategies.grad_norm import grad_norm
 
 __version__ = "0.1.0.dev0"
 
@@ -26,3 +27,13 @@ __all__ = [
     "__version__",
     "grad_norm",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # The tooling (lightning_zero.tools) imports this package to register the strategies, so the root imports
+    # nothing from it eagerly: lightning_zero.RunStats resolves on first use.
+    if name == "RunStats":
+        from lightning_zero.tools.run_stats import RunStats
+
+        return RunStats
+    raise AttributeError(f"module 'lightning_zero' has no attribute {name!r}")

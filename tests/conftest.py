@@ -17,7 +17,7 @@ from hydra import compose, initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig
 
-from lightning_zero.collectives import LEDGER
+from lightning_zero.comm.collectives import LEDGER
 
 
 def _destroy_default_process_group() -> None:

@@ -26,7 +26,7 @@ import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch import Tensor
 
-from lightning_zero.unused import UsedParams
+from lightning_zero.dp.unused import UsedParams
 
 
 def split_batch(batch: Any, k: int) -> list[Any]:

@@ -8,13 +8,13 @@ What a subclass inherits:
 - **The process group** from that cluster environment, backend ``gloo`` on CPU and ``nccl`` on CUDA unless
   ``process_group_backend`` says otherwise.
 - ``is_distributed = True``, so Lightning injects a ``DistributedSampler`` into every loader.
-- ``reduce``/``all_gather``/``broadcast``/``barrier`` through :mod:`lightning_zero.collectives`, which is what
+- ``reduce``/``all_gather``/``broadcast``/``barrier`` through :mod:`lightning_zero.comm.collectives`, which is what
   ``self.log(..., sync_dist=True)`` and ``trainer.strategy.reduce`` use.
-- **Mixed precision as a property of the engine** ([Note: precision policy] in ``lightning_zero/precision.py``):
-  ``param_dtype``/``reduce_dtype``/``master_weights``/``cast_module``, defaulted from the Trainer's ``precision``,
-  and a loss scaler (``16-mixed``) whose inf/NaN check covers every rank.
+- **Mixed precision as a property of the engine** ([Note: precision policy] in
+  ``lightning_zero/training/precision.py``): ``param_dtype``/``reduce_dtype``/``master_weights``/``cast_module``,
+  defaulted from the Trainer's ``precision``, and a loss scaler (``16-mixed``) whose inf/NaN check covers every rank.
 - **Buffers as torch DDP keeps them** ([Note: buffer broadcast] below) and ``sync_batchnorm=True`` through
-  :mod:`lightning_zero.sync_batchnorm`.
+  :mod:`lightning_zero.training.sync_batchnorm`.
 - **The process group torn down at exit**: a script that ends with the group alive was measured to abort now and
   then at interpreter exit ("terminate called without an active exception", SIGABRT) after a successful fit, with
   Lightning's ``ddp`` as well; an ``atexit`` handler destroys whatever group is still alive first.
@@ -62,10 +62,10 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_zero import activation_checkpointing
-from lightning_zero import collectives as comm
-from lightning_zero.memory import ModelStateBytes, model_state_bytes
-from lightning_zero.precision import (
+from lightning_zero.comm import collectives as comm
+from lightning_zero.training import activation_checkpointing
+from lightning_zero.training.memory import ModelStateBytes, model_state_bytes
+from lightning_zero.training.precision import (
     DEFAULT,
     PrecisionPolicy,
     ShardedGradScaler,
@@ -76,7 +76,7 @@ from lightning_zero.precision import (
     restore_buffers,
     unified_precision,
 )
-from lightning_zero.sync_batchnorm import ScratchSyncBatchNorm
+from lightning_zero.training.sync_batchnorm import ScratchSyncBatchNorm
 
 log = logging.getLogger(__name__)
 
@@ -160,14 +160,14 @@ class ScratchParallelStrategy(ParallelStrategy):
         broadcast_buffers: re-broadcast rank 0's buffers as torch DDP does ([Note: buffer broadcast]).
         param_dtype, reduce_dtype: ``"bf16"``, ``"fp16"``, ``"fp32"``, a torch dtype, ``None`` (the module's own
             dtype) or ``"auto"`` (default: from the Trainer's ``precision``); see [Note: precision policy] in
-            ``lightning_zero/precision.py``.
+            ``lightning_zero/training/precision.py``.
         master_weights: under low precision, let the optimizer update fp32 master copies (default) instead of the
             low-precision parameters themselves.
         cast_module: under ``-mixed``, keep the module's parameters and floating-point buffers in the low-precision
             dtype and cast floating-point inputs to it (DeepSpeed's ``bf16``/``fp16`` mode; half the parameter
             memory). Needs a module whose forward never mixes that dtype with float32 tensors of its own.
         activation_checkpointing_policy: module classes whose instances recompute their forward in backward instead
-            of keeping their activations (``lightning_zero/activation_checkpointing.py``), as Lightning's FSDP
+            of keeping their activations (``lightning_zero/training/activation_checkpointing.py``), as Lightning's FSDP
             strategy takes it; during fits.
     """
 
@@ -513,8 +513,8 @@ class ScratchParallelStrategy(ParallelStrategy):
         return list(module.parameters()) if module is not None else []
 
     def model_state_bytes(self) -> ModelStateBytes:
-        """This rank's model-state bytes now (:func:`lightning_zero.memory.model_state_bytes`): parameters, their
-        gradients, the optimizers' state and :attr:`strategy_buffers`, each storage counted once."""
+        """This rank's model-state bytes now (:func:`lightning_zero.training.memory.model_state_bytes`): parameters,
+        their gradients, the optimizers' state and :attr:`strategy_buffers`, each storage counted once."""
         return model_state_bytes(self.model_state_params(), self.optimizers, self.strategy_buffers)
 
     # ------------------------------------------------------------ registration

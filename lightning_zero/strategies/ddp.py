@@ -1,4 +1,4 @@
-"""``ddp_scratch``: data parallelism on our own bucketed all-reduce (:mod:`lightning_zero.reducer`).
+"""``ddp_scratch``: data parallelism on our own bucketed all-reduce (:mod:`lightning_zero.dp.reducer`).
 
 Runbook::
 
@@ -10,11 +10,11 @@ Registered names: ``ddp_scratch`` (popen launcher, like Lightning's ``ddp``), ``
 gradients are averaged by autograd hooks. On the ``accumulate_grad_batches - 1`` non-boundary micro-batches of a
 window Lightning enters :meth:`block_backward_sync`, and nothing is communicated at all.
 
-Mixed precision ([Note: precision policy] in ``lightning_zero/precision.py``): under ``bf16-mixed``/``16-mixed`` the
-module stays in fp32 as under Lightning's ``ddp`` (its parameters are their own master); under ``bf16-true``/
-``16-true`` (or with ``cast_module=True``) the optimizer steps fp32 master copies
-(:class:`~lightning_zero.precision.MasterWeights`), gradients accumulate in fp32 buckets, and the checkpoint's optimizer
-state carries each parameter's ``"master"``.
+Mixed precision ([Note: precision policy] in ``lightning_zero/training/precision.py``): under
+``bf16-mixed``/``16-mixed`` the module stays in fp32 as under Lightning's ``ddp`` (its parameters are their own master);
+under ``bf16-true``/ ``16-true`` (or with ``cast_module=True``) the optimizer steps fp32 master copies
+(:class:`~lightning_zero.training.precision.MasterWeights`), gradients accumulate in fp32 buckets, and the checkpoint's
+optimizer state carries each parameter's ``"master"``.
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_zero.precision import MasterWeights
-from lightning_zero.reducer import GradientReducer
+from lightning_zero.dp.reducer import GradientReducer
 from lightning_zero.strategies.base import ScratchParallelStrategy
+from lightning_zero.training.precision import MasterWeights
 
 
 class ScratchDDPStrategy(ScratchParallelStrategy):

@@ -36,19 +36,19 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_zero import collectives as comm
+from lightning_zero.comm import collectives as comm
+from lightning_zero.dp.unused import unused_error
 from lightning_zero.robust.aggregation import AggregationResult, RobustAggregator, StageSpec
 from lightning_zero.robust.attacks import flip_labels
 from lightning_zero.robust.workers import WorkerGradients, split_batch
 from lightning_zero.strategies.base import ScratchParallelStrategy
-from lightning_zero.unused import unused_error
 
 CHECKPOINT_KEY = "robust_aggregation"
 """The checkpoint entry holding the worker momentum (all ``n`` rows), the rule's centre and the generator state."""
 
 
 def check_workers(workers_per_rank: Any, worker_momentum: Any) -> None:
-    """The worker settings (shared with the Hydra schema in :mod:`lightning_zero.config`)."""
+    """The worker settings (shared with the Hydra schema in :mod:`lightning_zero.tools.config`)."""
     if isinstance(workers_per_rank, bool) or not isinstance(workers_per_rank, int) or workers_per_rank < 1:
         raise ValueError(f"workers_per_rank={workers_per_rank!r} is invalid: expected an integer >= 1")
     if not 0 <= worker_momentum < 1:
@@ -59,7 +59,7 @@ def check_precision_settings(
     param_dtype: Any = "auto", reduce_dtype: Any = "auto", master_weights: bool = False, cast_module: bool = False
 ) -> None:
     """The aggregation runs in the parameters' dtype, on the parameters themselves: no master copies, no cast of
-    the module, no separate communication dtype (shared with the Hydra schema in :mod:`lightning_zero.config`)."""
+    the module, no separate communication dtype (shared with the Hydra schema in :mod:`lightning_zero.tools.config`)."""
     if master_weights or cast_module or param_dtype not in ("auto", None):
         raise ValueError(
             "robust_ddp_scratch keeps no fp32 master weights: leave master_weights=False, cast_module=False and"

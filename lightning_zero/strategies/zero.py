@@ -8,8 +8,8 @@ Runbook::
     trainer = Trainer(devices=2, strategy=lightning_zero.ZeroStrategy(stage=3, auto_wrap_policy={Block}))
 
 Registered names: ``zero1_scratch``, ``zero2_scratch``, ``zero3_scratch`` (popen launcher) and their ``_spawn``
-variants. Stages 1 and 2 (:mod:`lightning_zero.sharded_optimizer`) leave the model whole; stage 3
-(:mod:`lightning_zero.sharded_params`) shards it per unit. Under stage 3 ``configure_model`` runs on the meta device
+variants. Stages 1 and 2 (:mod:`lightning_zero.zero.stage12`) leave the model whole; stage 3
+(:mod:`lightning_zero.zero.stage3.engine`) shards it per unit. Under stage 3 ``configure_model`` runs on the meta device
 first, then for real when the model fits in memory (exactly a normal build) or piece by piece so that no rank ever
 holds all of it (``model_init``), and a fit ends with the full weights back in the module when they fit. The
 optimizer returned by
@@ -20,7 +20,7 @@ norm across shards.
 Checkpoints (``trainer.save_checkpoint`` is collective: call it on every rank, as Lightning's ``ModelCheckpoint`` does,
 also after ``fit``; ``fit(ckpt_path=...)`` reads either kind, saved at any world size):
 
-- ``state_dict_type="sharded"`` (default): a directory (:mod:`lightning_zero.checkpoint`); each rank writes its own
+- ``state_dict_type="sharded"`` (default): a directory (:mod:`lightning_zero.zero.checkpoint`); each rank writes its own
   optimizer shard through ``torch.distributed.checkpoint``, the replicated weights are written once.
 - ``state_dict_type="full"``: one plain file from rank 0: full weights and the optimizer state gathered into the
   format of the unsharded optimizer, so it loads with plain ``torch.load`` or ``LightningModule.load_from_checkpoint``.
@@ -45,22 +45,22 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_zero import sharded_optimizer_state as so_state
-from lightning_zero import sharded_params_state as sp_state
-from lightning_zero.checkpoint import is_sharded_checkpoint, load_sharded, read_metadata, save_sharded
-from lightning_zero.grad_norm import shard_grad_norms
-from lightning_zero.materialize import (
+from lightning_zero.strategies.base import ScratchParallelStrategy, SpawnLauncher
+from lightning_zero.training.module_classes import module_classes
+from lightning_zero.training.precision import DEFAULT, parse_dtype
+from lightning_zero.zero import stage12_state as so_state
+from lightning_zero.zero.checkpoint import is_sharded_checkpoint, load_sharded, read_metadata, save_sharded
+from lightning_zero.zero.grad_norm import shard_grad_norms
+from lightning_zero.zero.stage3 import state as sp_state
+from lightning_zero.zero.stage3.engine import ShardedParams
+from lightning_zero.zero.stage3.materialize import (
     MODEL_INIT_MODES,
     ModuleSnapshot,
     fits_in_memory,
     meta_nbytes,
     unreplayed_init,
 )
-from lightning_zero.module_classes import module_classes
-from lightning_zero.precision import DEFAULT, parse_dtype
-from lightning_zero.sharded_optimizer import GRAD_SYNC_MODES, ShardedOptimizer
-from lightning_zero.sharded_params import ShardedParams
-from lightning_zero.strategies.base import ScratchParallelStrategy, SpawnLauncher
+from lightning_zero.zero.stage12 import GRAD_SYNC_MODES, ShardedOptimizer
 
 STAGES = (1, 2, 3)
 STATE_DICT_TYPES = ("sharded", "full")
@@ -90,14 +90,14 @@ class ZeroStrategy(ScratchParallelStrategy):
         auto_wrap_policy: stage 3: module classes whose instances become units (e.g. ``{Block}``).
         min_num_params: stage 3: instead, every submodule with at least this many parameters of its own.
             Neither: the children of the outermost ``nn.ModuleList``/``nn.Sequential`` (see
-            ``lightning_zero/units.py``).
+            ``lightning_zero/zero/stage3/units.py``).
         reshard_after_forward: stage 3: free each unit after its forward (``True``, 3 x 4Ψ traffic per step) or keep
             it until its backward (``False``, 2 x 4Ψ, more memory).
         model_init: stage 3, a model built in ``configure_model``: ``"full"`` (run it for real and shard the result:
             exactly the weights of a normal build), ``"meta"`` (build module by module with ``reset_parameters()``;
             no rank ever holds the model) or ``"auto"`` (``"full"`` when it fits comfortably in memory). See
-            [Note: model construction] in ``lightning_zero/materialize.py``. The same rule decides whether the
-            weights are gathered back into the module when a fit ends.
+            [Note: model construction] in ``lightning_zero/zero/stage3/materialize.py``. The same rule decides whether
+            the weights are gathered back into the module when a fit ends.
         grad_accum_dtype: stages 1 and 2: the dtype gradients are stored and accumulated in (DeepSpeed's setting of
             that name): ``None`` (default: the dtype the optimizer updates, fp32 under mixed precision) or
             ``"bf16"``/``"fp16"``/``"fp32"``/a torch dtype. ``"bf16"`` with ``cast_module=True`` is the ZeRO paper's
@@ -193,7 +193,7 @@ class ZeroStrategy(ScratchParallelStrategy):
     @override
     def model_sharded_context(self) -> Generator[None, None, None]:
         """Stage 3: ``configure_model`` runs on the meta device, then for real or piece by piece in the engine
-        ([Note: model construction] in ``lightning_zero/materialize.py``)."""
+        ([Note: model construction] in ``lightning_zero/zero/stage3/materialize.py``)."""
         module = self.lightning_module
         if self.stage != 3 or module is None:
             yield
@@ -295,7 +295,8 @@ class ZeroStrategy(ScratchParallelStrategy):
         self.setup_precision_plugin()
 
     def _engine_dtypes(self) -> dict[str, torch.dtype | None]:
-        """The precision policy as both engines take it ([Note: precision policy] in lightning_zero/precision.py)."""
+        """The precision policy as both engines take it ([Note: precision policy] in
+        lightning_zero/training/precision.py)."""
         policy = self.precision_policy
         return {
             "cast_dtype": policy.cast_dtype,
@@ -498,7 +499,7 @@ class ZeroStrategy(ScratchParallelStrategy):
             self._teardown_precision()
             self._revert_layer_sync()
             return super().teardown()
-        # Stage 3 ([Note: reading sharded parameters] in lightning_zero/sharded_params.py): the full weights go back
+        # Stage 3 ([Note: reading sharded parameters] in lightning_zero/zero/stage3/engine.py): the full weights go back
         # into the module on the CPU, as Lightning's ddp leaves them, when they fit there. Not after an error: the
         # gather is collective, and the rank that failed may be the only one here.
         params, cpu = self._params, torch.device("cpu")

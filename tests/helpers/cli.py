@@ -1,4 +1,4 @@
-"""Run ``lightning-zero-train`` (``python -m lightning_zero.train``) as a subprocess, as a user would.
+"""Run ``lightning-zero-train`` (``python -m lightning_zero.tools.train``) as a subprocess, as a user would.
 
 Lightning's popen launcher re-executes ``sys.argv`` for rank 1, which inside pytest would re-run pytest, so CLI runs
 are always subprocesses. Each runs in its own session: on a timeout the whole session is killed, and after a normal
@@ -87,6 +87,6 @@ def run_command(cmd: list[str], cwd: Path, timeout: float, env: dict[str, str]) 
 
 
 def run_cli(args: list[str], cwd: Path, timeout: float, env: dict[str, str] | None = None) -> CliRun:
-    """``python -m lightning_zero.train *args`` in ``cwd`` (see :func:`run_command`)."""
-    cmd = [sys.executable, "-m", "lightning_zero.train", *args]
+    """``python -m lightning_zero.tools.train *args`` in ``cwd`` (see :func:`run_command`)."""
+    cmd = [sys.executable, "-m", "lightning_zero.tools.train", *args]
     return run_command(cmd, cwd, timeout, cli_env() if env is None else env)

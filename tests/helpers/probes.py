@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from lightning.pytorch import Callback
 
-from lightning_zero.collectives import LEDGER
+from lightning_zero.comm.collectives import LEDGER
 
 
 class LedgerPerBatch(Callback):

@@ -1,4 +1,4 @@
-"""``activation_checkpointing_policy`` on every strategy (``lightning_zero/activation_checkpointing.py``).
+"""``activation_checkpointing_policy`` on every strategy (``lightning_zero/training/activation_checkpointing.py``).
 
 One pair of gloo worker processes fits the tied-embedding GPT of ``tests/helpers/parity.py`` under every strategy with
 and without checkpointing its ``Block``s (under ZeRO-3 also with the whole ``TinyGPT`` checkpointed, which makes the

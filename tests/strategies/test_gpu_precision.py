@@ -5,10 +5,10 @@ Each of ``ddp_scratch``, ``zero1_scratch``, ``zero2_scratch`` and ``zero3_scratc
 CUDA), one epoch of its 24 samples (:data:`GPU_STEPS` AdamW steps, clipped), and is compared with that file's
 single-process reference, run on CUDA too, which applies the same precision rules (:func:`rules_of`): fp32 master
 weights, the values forward sees rounded to ``param_dtype`` (held in it under ``-true``), gradients accumulated and
-reduced in fp32. At world size 1 the collectives of ``lightning_zero.collectives`` copy locally (NCCL is initialised,
-the process group is NCCL's, but no NCCL kernel runs): what these tests cover is the CUDA placement of the shards,
-masters, gradients and scaler state, and the CUDA arithmetic of every precision path. The parity of the collectives
-across ranks is covered on gloo by ``test_mixed_precision.py``.
+reduced in fp32. At world size 1 the collectives of ``lightning_zero.comm.collectives`` copy locally (NCCL is
+initialised, the process group is NCCL's, but no NCCL kernel runs): what these tests cover is the CUDA placement of the
+shards, masters, gradients and scaler state, and the CUDA arithmetic of every precision path. The parity of the
+collectives across ranks is covered on gloo by ``test_mixed_precision.py``.
 
 Tolerance (:data:`GPU_TOLERANCE`, on the fp32 master weights): the CPU tests replay the strategies' arithmetic to 2e-6
 because on one CPU thread the kernels sum in one fixed order. On CUDA the reference and the strategies call the same
@@ -25,9 +25,10 @@ measured difference is printed (``-s``) so a GPU log shows the margin. The byte 
 check the dtypes exactly: parameters gathered in bf16 (2 bytes), gradients reduced in fp32 (4 bytes).
 
 ``16-mixed``: on CUDA Lightning builds the ``GradScaler`` itself (``init_scale`` 2^16) and the strategies replace it
-with :class:`~lightning_zero.precision.ShardedGradScaler`. An inf put into the averaged gradient at one step (rank 0:
-ZeRO's gradient shard, ``ddp_scratch``'s parameter gradient) makes that step a skipped one and halves the scale,
-as the reference that injects the same inf does. The step is chosen where the reference's scale does not back off by
+with :class:`~lightning_zero.training.precision.ShardedGradScaler`. An inf put into the averaged gradient at one step
+(rank 0: ZeRO's gradient shard, ``ddp_scratch``'s parameter gradient) makes that step a skipped one and halves the
+scale, as the reference that injects the same inf does. The step is chosen where the reference's scale does not back off
+by
 itself: 2^16 overflows fp16 in the first steps of this model, and those natural overflows are replayed too.
 """
 
@@ -39,7 +40,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_zero.precision import ShardedGradScaler
+from lightning_zero.training.precision import ShardedGradScaler
 from tests.helpers.equivalence import max_diff
 from tests.strategies.test_mixed_precision import (
     BATCH,

@@ -30,7 +30,7 @@ from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _Su
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_zero
-from lightning_zero.collectives import GLOO_SUBSTITUTE_MIN_BYTES
+from lightning_zero.comm.collectives import GLOO_SUBSTITUTE_MIN_BYTES
 from tests.helpers.equivalence import OURS, GlobalBatchSampler, make_strategy, state_of
 from tests.helpers.parity import (
     ParityConfig,

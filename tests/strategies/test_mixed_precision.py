@@ -1,4 +1,4 @@
-"""Mixed precision on every strategy of ours ([Note: precision policy] in ``lightning_zero/precision.py``).
+"""Mixed precision on every strategy of ours ([Note: precision policy] in ``lightning_zero/training/precision.py``).
 
 One pair of gloo worker processes runs every fit; the tests compare them with
 
@@ -29,10 +29,10 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from lightning_zero import collectives as comm
-from lightning_zero.memory import zero_model_state_bytes
-from lightning_zero.precision import ShardedGradScaler
-from lightning_zero.sharded_params import ShardedParams
+from lightning_zero.comm import collectives as comm
+from lightning_zero.training.memory import zero_model_state_bytes
+from lightning_zero.training.precision import ShardedGradScaler
+from lightning_zero.zero.stage3.engine import ShardedParams
 from tests.helpers.equivalence import make_strategy, max_diff
 from tests.helpers.parity import quiet_trainer
 from tests.helpers.workers import run_workers
@@ -235,7 +235,7 @@ def runs(tmp_path_factory):
 # ---------------------------------------------------------------- the reference
 @dataclass(frozen=True)
 class Rules:
-    """The precision rules of one run, as :func:`lightning_zero.precision.resolve_policy` decides them."""
+    """The precision rules of one run, as :func:`lightning_zero.training.precision.resolve_policy` decides them."""
 
     autocast: torch.dtype | None  # -mixed: Lightning's autocast dtype
     compute: torch.dtype  # the dtype the module's parameters are held in
@@ -452,8 +452,8 @@ def _paper_terms(key: tuple) -> tuple[int, float, float, float]:
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("name", STRATEGIES)
 def test_model_state_bytes_follow_the_zero_accounting(runs, name):
-    """Measured per rank by the memory ledger: the formula of ``lightning_zero.memory.zero_model_state_bytes`` for
-    the bytes each configuration keeps, within 1% (padding, AdamW's step counters, a ZeRO-3 placeholder), plus
+    """Measured per rank by the memory ledger: the formula of ``lightning_zero.training.memory.zero_model_state_bytes``
+    for the bytes each configuration keeps, within 1% (padding, AdamW's step counters, a ZeRO-3 placeholder), plus
     ZeRO-2's two pooled gradient buckets."""
     for key in _variants(name):
         if key not in runs[0]:

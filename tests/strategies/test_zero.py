@@ -17,8 +17,8 @@ from lightning.pytorch import Callback
 from torch import nn
 
 from lightning_zero import ZeroStrategy
-from lightning_zero.memory import model_state_bytes
-from lightning_zero.sharded_optimizer_state import full_state_dict
+from lightning_zero.training.memory import model_state_bytes
+from lightning_zero.zero.stage12_state import full_state_dict
 from tests.helpers.parity import (
     ParityConfig,
     ParityModule,

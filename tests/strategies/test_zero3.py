@@ -20,9 +20,9 @@ from torch import nn
 from torch.utils.data import DistributedSampler
 
 from lightning_zero import ZeroStrategy
-from lightning_zero.memory import model_state_bytes
-from lightning_zero.sharded_params import ShardedParams
-from lightning_zero.sharded_params_state import optimizer_state_dict
+from lightning_zero.training.memory import model_state_bytes
+from lightning_zero.zero.stage3.engine import ShardedParams
+from lightning_zero.zero.stage3.state import optimizer_state_dict
 from tests.helpers.parity import (
     ParityConfig,
     ParityModule,

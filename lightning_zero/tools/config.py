@@ -1,0 +1,331 @@
+"""Typed Hydra configs for our strategies, and the checks ``lightning-zero-train`` runs before any process starts.
+
+The YAML files of the ``strategy`` group (``lightning_zero/conf/strategy/*_scratch.yaml``) extend the schemas stored
+here in Hydra's ConfigStore (``strategy/zero_scratch_schema``, ``strategy/ddp_scratch_schema``,
+``strategy/robust_ddp_scratch_schema``), so a misspelt key
+or a value of the wrong type fails while the config is composed. Values out of range (``strategy.stage=4``) are
+caught by :func:`validate_config`, which builds the dataclass (its ``__post_init__``) and checks the trainer's
+settings, right after composition and before any ``Trainer`` or process exists.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field, is_dataclass
+from typing import Any, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+from lightning_zero.robust.aggregation import RobustAggregator
+from lightning_zero.strategies.base import START_METHODS
+from lightning_zero.strategies.robust import check_precision_settings, check_workers
+from lightning_zero.strategies.zero import STAGES, STATE_DICT_TYPES
+from lightning_zero.training.module_classes import module_classes
+from lightning_zero.training.precision import parse_dtype, resolve_policy, unified_precision
+from lightning_zero.zero.stage3.materialize import MODEL_INIT_MODES
+from lightning_zero.zero.stage12 import GRAD_SYNC_MODES
+
+# Hydra's structured configs need ``Optional[...]`` (not ``X | None``) on Python 3.10.
+# ruff: noqa: UP045
+
+# The CLI accepts the backends it can run (the strategies also take "mpi" and "ucc").
+BACKENDS = ("gloo", "nccl")
+MODEL_PARALLEL_TARGET = "lightning.pytorch.strategies.ModelParallelStrategy"  # strategy=fsdp2
+
+
+class ConfigError(ValueError):
+    """A composed configuration that cannot run; the message names the key, the value and what is allowed."""
+
+
+def _check_common(backend: Optional[str], timeout: float, start_method: str) -> None:
+    if backend is not None and backend not in BACKENDS:
+        raise ConfigError(f"process_group_backend={backend!r} is invalid: expected one of {BACKENDS} or null")
+    if isinstance(timeout, bool) or timeout <= 0:
+        raise ConfigError(f"timeout={timeout!r} is invalid: expected a number of seconds > 0")
+    if start_method not in START_METHODS:
+        raise ConfigError(f"start_method={start_method!r} is invalid: expected one of {START_METHODS}")
+
+
+def _check_precision_settings(schema: Any) -> None:
+    try:
+        parse_dtype("param_dtype", schema.param_dtype)
+        parse_dtype("reduce_dtype", schema.reduce_dtype)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
+def _check_module_classes(schema: Any) -> None:
+    """The import paths of ``activation_checkpointing_policy`` (and ``auto_wrap_policy``) import to module classes."""
+    for setting in ("activation_checkpointing_policy", "auto_wrap_policy"):
+        try:
+            module_classes(setting, getattr(schema, setting, None))
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+
+
+def _check_bucket(bucket_size_mb: float) -> None:
+    if bucket_size_mb <= 0:
+        raise ConfigError(f"bucket_size_mb={bucket_size_mb!r} is invalid: expected a number of MiB > 0")
+
+
+@dataclass
+class ScratchDDPStrategyConf:
+    """Schema of ``strategy=ddp_scratch`` (:class:`lightning_zero.ScratchDDPStrategy`)."""
+
+    _target_: str = "lightning_zero.ScratchDDPStrategy"
+    bucket_size_mb: float = 25.0
+    find_unused_parameters: bool = False
+    broadcast_buffers: bool = True
+    param_dtype: Optional[str] = "auto"
+    reduce_dtype: Optional[str] = "auto"
+    master_weights: bool = True
+    cast_module: bool = False
+    activation_checkpointing_policy: Optional[list[str]] = None
+    process_group_backend: Optional[str] = None
+    timeout: float = 1800.0
+    start_method: str = "popen"
+
+    def __post_init__(self) -> None:
+        _check_bucket(self.bucket_size_mb)
+        _check_common(self.process_group_backend, self.timeout, self.start_method)
+        _check_precision_settings(self)
+        _check_module_classes(self)
+
+
+@dataclass
+class ZeroStrategyConf:
+    """Schema of ``strategy=zero{1,2,3}_scratch`` (:class:`lightning_zero.ZeroStrategy`)."""
+
+    _target_: str = "lightning_zero.ZeroStrategy"
+    stage: int = 2
+    grad_sync: Optional[str] = None
+    bucket_size_mb: float = 25.0
+    state_dict_type: str = "sharded"
+    auto_wrap_policy: Optional[list[str]] = None
+    min_num_params: Optional[int] = None
+    reshard_after_forward: bool = True
+    model_init: str = "auto"
+    find_unused_parameters: bool = False
+    broadcast_buffers: bool = True
+    param_dtype: Optional[str] = "auto"
+    reduce_dtype: Optional[str] = "auto"
+    master_weights: bool = True
+    cast_module: bool = False
+    grad_accum_dtype: Optional[str] = None
+    activation_checkpointing_policy: Optional[list[str]] = None
+    process_group_backend: Optional[str] = None
+    timeout: float = 1800.0
+    start_method: str = "popen"
+
+    def __post_init__(self) -> None:
+        if self.stage not in STAGES:
+            raise ConfigError(f"stage={self.stage!r} is invalid: expected 1, 2 or 3")
+        if self.grad_sync is not None and self.grad_sync not in GRAD_SYNC_MODES:
+            raise ConfigError(f"grad_sync={self.grad_sync!r} is invalid: expected one of {GRAD_SYNC_MODES} or null")
+        _check_bucket(self.bucket_size_mb)
+        if self.state_dict_type not in STATE_DICT_TYPES:
+            raise ConfigError(
+                f"state_dict_type={self.state_dict_type!r} is invalid: expected one of {STATE_DICT_TYPES}"
+            )
+        if self.min_num_params is not None and self.min_num_params < 1:
+            raise ConfigError(f"min_num_params={self.min_num_params!r} is invalid: expected null or an integer >= 1")
+        if self.model_init not in MODEL_INIT_MODES:
+            raise ConfigError(f"model_init={self.model_init!r} is invalid: expected one of {MODEL_INIT_MODES}")
+        if self.auto_wrap_policy is not None and self.min_num_params is not None:
+            raise ConfigError("auto_wrap_policy and min_num_params are exclusive: set one of them (or neither)")
+        stage3 = {
+            "auto_wrap_policy": self.auto_wrap_policy is not None,
+            "min_num_params": self.min_num_params is not None,
+            "reshard_after_forward": not self.reshard_after_forward,
+            "model_init": self.model_init != "auto",
+        }
+        if self.stage != 3 and any(stage3.values()):
+            settings = ", ".join(f"{k}={getattr(self, k)!r}" for k, v in stage3.items() if v)
+            raise ConfigError(f"{settings} apply to stage=3 only: got stage={self.stage}")
+        _check_common(self.process_group_backend, self.timeout, self.start_method)
+        _check_precision_settings(self)
+        _check_module_classes(self)
+        try:
+            parse_dtype("grad_accum_dtype", self.grad_accum_dtype)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        if self.stage == 3 and self.grad_accum_dtype not in (None, "auto"):
+            raise ConfigError(f"grad_accum_dtype={self.grad_accum_dtype!r} applies to stages 1 and 2 only: got stage=3")
+
+
+@dataclass
+class RobustDDPStrategyConf:
+    """Schema of ``strategy=robust_ddp_scratch`` (:class:`lightning_zero.RobustDDPStrategy`). Names and parameters
+    are checked here; the tolerance bound of the rule for n = devices x num_nodes x workers_per_rank in
+    :func:`validate_config`."""
+
+    _target_: str = "lightning_zero.RobustDDPStrategy"
+    aggregator: str = "mean"
+    f: int = 0
+    aggregator_kwargs: dict[str, Any] = field(default_factory=dict)
+    pre_aggregators: list[Any] = field(default_factory=list)
+    workers_per_rank: int = 1
+    worker_momentum: float = 0.0
+    attack: Optional[str] = None
+    attack_kwargs: dict[str, Any] = field(default_factory=dict)
+    byzantine_workers: Optional[list[int]] = None
+    seed: int = 0
+    find_unused_parameters: bool = False
+    broadcast_buffers: bool = True
+    param_dtype: Optional[str] = "auto"
+    reduce_dtype: Optional[str] = "auto"
+    master_weights: bool = False
+    cast_module: bool = False
+    activation_checkpointing_policy: Optional[list[str]] = None
+    process_group_backend: Optional[str] = None
+    timeout: float = 1800.0
+    start_method: str = "popen"
+
+    def __post_init__(self) -> None:
+        try:
+            check_workers(self.workers_per_rank, self.worker_momentum)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        self.aggregator_pipeline()
+        _check_common(self.process_group_backend, self.timeout, self.start_method)
+        _check_precision_settings(self)
+        _check_module_classes(self)
+
+    def aggregator_pipeline(self) -> RobustAggregator:
+        """The aggregator these settings build (unknown names and parameters raise :class:`ConfigError`)."""
+        try:
+            return RobustAggregator(
+                self.aggregator,
+                self.f,
+                self.aggregator_kwargs,
+                self.pre_aggregators,
+                self.attack,
+                self.attack_kwargs,
+                self.byzantine_workers,
+                self.seed,
+            )
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+
+
+SCHEMAS: dict[str, type] = {
+    "ddp_scratch_schema": ScratchDDPStrategyConf,
+    "zero_scratch_schema": ZeroStrategyConf,
+    "robust_ddp_scratch_schema": RobustDDPStrategyConf,
+}
+
+
+def register_configs() -> None:
+    """Store the schemas in Hydra's ConfigStore (group ``strategy``); safe to call again."""
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    for name, node in SCHEMAS.items():
+        cs.store(group="strategy", name=name, node=node)
+
+
+def _trainer_arguments() -> set[str]:
+    from lightning.pytorch import Trainer
+
+    return {name for name in inspect.signature(Trainer.__init__).parameters if name != "self"}
+
+
+def _check_devices(devices: Any) -> None:
+    if devices in ("auto", -1, "-1"):
+        return
+    if isinstance(devices, bool):
+        raise ConfigError(f"trainer.devices={devices!r} is invalid: expected an integer >= 1, -1, 'auto' or a list")
+    if isinstance(devices, int) and devices < 1:
+        raise ConfigError(
+            f"trainer.devices={devices} is invalid: expected an integer >= 1 (processes per node), -1, 'auto'"
+            " or a list of device indices"
+        )
+    if isinstance(devices, str) and devices.strip().isdigit() and int(devices) < 1:
+        raise ConfigError(f"trainer.devices={devices!r} is invalid: expected an integer >= 1, -1, 'auto' or a list")
+    if isinstance(devices, (list, tuple)) and not devices:
+        raise ConfigError("trainer.devices=[] is invalid: expected a non-empty list of device indices")
+
+
+def validate_config(cfg: DictConfig) -> None:
+    """Raise :class:`ConfigError` with one clear message if ``cfg`` cannot run; touches no process or device."""
+    strategy = cfg.get("strategy")
+    schema = None
+    if isinstance(strategy, DictConfig) and is_dataclass(OmegaConf.get_type(strategy)):
+        try:
+            schema = OmegaConf.to_object(strategy)  # builds the dataclass: runs its __post_init__
+        except ConfigError as err:
+            raise ConfigError(f"strategy ({strategy._target_}): {err}") from None
+    trainer = cfg.get("trainer")
+    if trainer is None:
+        raise ConfigError("trainer is missing: choose one with trainer=cpu, trainer=gpu or trainer=ddp_sim")
+    unknown = sorted(set(trainer) - {"_target_"} - _trainer_arguments())
+    if unknown:
+        raise ConfigError(f"trainer has unknown keys {unknown}: they are not arguments of lightning.pytorch.Trainer")
+    if "strategy" in trainer:
+        raise ConfigError("trainer.strategy is not used: choose the strategy with strategy=<name>")
+    _check_devices(trainer.get("devices", "auto"))
+    num_nodes = trainer.get("num_nodes", 1)
+    if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1:
+        raise ConfigError(f"trainer.num_nodes={num_nodes!r} is invalid: expected an integer >= 1")
+    max_steps = trainer.get("max_steps", -1)
+    if max_steps is not None and (not isinstance(max_steps, int) or (max_steps != -1 and max_steps < 1)):
+        raise ConfigError(f"trainer.max_steps={max_steps!r} is invalid: expected -1 (no limit) or an integer >= 1")
+    if isinstance(strategy, DictConfig) and strategy.get("_target_") == MODEL_PARALLEL_TARGET:
+        _check_model_parallel(strategy, trainer.get("devices", "auto"), num_nodes)
+    if isinstance(schema, RobustDDPStrategyConf):
+        _check_robust(schema, trainer.get("devices", "auto"), num_nodes)
+    if schema is not None:
+        _check_precision(schema, trainer.get("precision", "32-true"))
+
+
+def _check_precision(schema: Any, precision: Any) -> None:
+    """The precision settings against ``trainer.precision`` (the strategy resolves the same policy at run time)."""
+    try:
+        if isinstance(schema, RobustDDPStrategyConf):
+            check_precision_settings(schema.param_dtype, schema.reduce_dtype, schema.master_weights, schema.cast_module)
+        resolve_policy(
+            unified_precision(precision),
+            param_dtype=schema.param_dtype,
+            reduce_dtype=schema.reduce_dtype,
+            master_weights=schema.master_weights,
+            cast_module=schema.cast_module,
+            sharded=isinstance(schema, ZeroStrategyConf),
+        )
+    except ValueError as err:
+        raise ConfigError(f"strategy ({schema._target_}) with trainer.precision={precision!r}: {err}") from None
+
+
+def _check_robust(schema: RobustDDPStrategyConf, devices: Any, num_nodes: int) -> None:
+    """The rule's tolerance bound for n = devices x num_nodes x workers_per_rank (when devices is a number)."""
+    if isinstance(devices, str) and devices.strip().isdigit():
+        devices = int(devices)
+    if not isinstance(devices, int) or devices < 1:
+        return  # 'auto', -1 or a list: the strategy checks n when the Trainer is built
+    n = devices * num_nodes * schema.workers_per_rank
+    try:
+        schema.aggregator_pipeline().validate(n)
+    except ValueError as err:
+        raise ConfigError(
+            f"strategy (robust_ddp_scratch): {err} (n = trainer.devices={devices} x trainer.num_nodes={num_nodes}"
+            f" x workers_per_rank={schema.workers_per_rank})"
+        ) from None
+
+
+def _check_model_parallel(strategy: DictConfig, devices: Any, num_nodes: int) -> None:
+    """``strategy=fsdp2``: the device mesh (data x tensor parallel) must cover exactly the job's processes."""
+    sizes = {}
+    for key in ("data_parallel_size", "tensor_parallel_size"):
+        value = strategy.get(key, "auto")
+        if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            hint = " (strategy=fsdp2 takes it from trainer.devices: set a number of processes)"
+            hint = hint if key == "data_parallel_size" else ""
+            raise ConfigError(f"strategy.{key}={value!r} is invalid: expected 'auto' or an integer >= 1{hint}")
+        sizes[key] = value
+    dp, tp = sizes["data_parallel_size"], sizes["tensor_parallel_size"]
+    if isinstance(dp, int) and isinstance(tp, int) and isinstance(devices, int) and devices >= 1:
+        processes = devices * num_nodes
+        if dp * tp != processes:
+            raise ConfigError(
+                f"strategy.data_parallel_size={dp} x strategy.tensor_parallel_size={tp} is invalid: expected"
+                f" trainer.devices x trainer.num_nodes = {processes} processes"
+            )

@@ -1,0 +1,371 @@
+"""ZeRO stages 1 and 2: the user's optimizer rebuilt over this rank's shard, gradients reduced into it.
+
+Runbook::
+
+    engine = ShardedOptimizer(module, optimizer, stage=2, grad_sync="microbatch", bucket_cap_bytes=25 * 2**20)
+    loss.backward()            # buckets reduced while backward runs; this rank's slice lands in the shard's .grad
+    engine.before_step()       # the shard gradients ready for the optimizer (fp32 copies under grad_accum_dtype)
+    engine.clip_grad_norm_(1.0)  # optional: global norm over all shards (one scalar all-reduce)
+    optimizer.step()           # the user's optimizer object, now stepping the shards only
+    engine.after_step()        # all-gather the updated shards into the full parameters
+
+[Note: tensor roles] (see also [Note: flat layout] in ``lightning_zero/zero/partition.py``)
+- *flat param*: one padded buffer per param group; every module parameter of the group is a view into it, so the
+  all-gather after the step writes the module's parameters directly. 4Ψ bytes (+ padding) on every rank.
+- *shard param*: an ``nn.Parameter`` aliasing this rank's slice of the flat param. The user's optimizer object is
+  rebuilt *in place* (``group["params"] = [shard]``), so LR schedulers and ``trainer.optimizers[0].param_groups``
+  keep working on the same object with the same hyper-parameters; its state (e.g. AdamW's two moments) exists for
+  the shard only: 8Ψ/N bytes.
+- *shard grad*: ``shard.grad``, this rank's slice of the averaged gradient.
+- *master shard* (mixed precision, [Note: precision policy] in ``lightning_zero/training/precision.py``): when the flat
+  param is in a low-precision dtype (``cast_dtype``, or ``bf16-true``) or is gathered in one (``gather_dtype``), the
+  shard param is an fp32 copy of this rank's slice instead of a view; the optimizer updates it, gradient buckets and
+  shard grads are fp32 (accumulation in fp32), and after the step each rank's master is rounded to ``gather_dtype`` and
+  all-gathered into the flat param. Its value goes into checkpoints as
+  the optimizer state ``"master"`` (the module weights are the rounded copy), as DeepSpeed keeps fp32 partitions.
+- *gradient storage in* ``accum_dtype`` (DeepSpeed's ``grad_accum_dtype``): gradient buckets, stage 1's flat gradient
+  and stage 2's shard accumulator in a low-precision dtype instead of the master's, so the gradients cost 2 bytes per
+  element (the ZeRO paper's accounting: stage 1 4Ψ + 12Ψ/N, stage 2 2Ψ + 14Ψ/N with a 2-byte module). The shard
+  param's ``.grad`` must have its dtype, so :meth:`ShardedOptimizer.before_step` gives it a copy of the accumulated
+  shard gradient in that dtype, which :meth:`ShardedOptimizer.after_step` drops (4Ψ/N in fp32, during the step only).
+- *gradient buckets*: contiguous ranges of a flat group, filled in reverse registration order and all-reduced
+  (average) from autograd hooks by :class:`~lightning_zero.dp.reducer.GradientReducer` while backward runs.
+
+Gradient storage, by ``stage`` and ``grad_sync``:
+- stage 1, ``"boundary"`` (stage 1's default): a persistent full flat gradient per group (4Ψ); ``p.grad`` is a view of
+  it, micro-batches accumulate locally without communication, and one reduction per optimizer step leaves every
+  rank with the full averaged gradient, of which ``shard.grad`` is a view. Stage 1 memory: 4Ψ + 4Ψ + 8Ψ/N.
+- ``"microbatch"`` (stage 2's default; also valid for stage 1): every micro-batch reduces its buckets; each bucket
+  borrows one of the reducer's two pool buffers when its first gradient arrives, its owned slice is added to a
+  persistent shard accumulator (4Ψ/N) once reduced, and the buffer goes back to the pool, so no full gradient
+  survives between micro-batches. Stage 2 memory: 4Ψ + 4Ψ/N + 8Ψ/N, plus the pool (two buckets) reported apart.
+- stage 2, ``"boundary"``: micro-batches accumulate into transient buckets (full local gradients, no communication;
+  buckets beyond the pool's two are allocated for the window) that are reduced into the shard accumulator and
+  released at the boundary, before the step.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from lightning_zero.comm import collectives as comm
+from lightning_zero.comm.bucketing import assign_buckets
+from lightning_zero.dp.reducer import GradBucket, GradientReducer
+from lightning_zero.zero.grad_norm import clip_grad_norm_
+from lightning_zero.zero.partition import FlatLayout, flat_layout
+from lightning_zero.zero.unused import HeldPieces, ParamPieces, param_pieces
+
+GRAD_SYNC_MODES = ("boundary", "microbatch")
+
+
+def check_in_optimizer(missing: list[str]) -> None:
+    """Raise if trainable parameters (``missing``, by name) are in no optimizer param group."""
+    if missing:
+        raise ValueError(
+            f"trainable parameters {missing} are in no optimizer param group: ZeRO shards the optimizer, so add"
+            " them to a group or freeze them (requires_grad=False)"
+        )
+
+
+def hyperparameters(param_groups: list[dict]) -> list[dict]:
+    """Each param group without its ``params``."""
+    return [{k: v for k, v in group.items() if k != "params"} for group in param_groups]
+
+
+def check_group_count(saved: int, expected: int) -> None:
+    if saved != expected:
+        raise ValueError(f"optimizer state has {saved} param groups: expected {expected} as in the model")
+
+
+class _FlatGroup:
+    """One optimizer param group flattened: its layout, flat param, shard param and gradient storage."""
+
+    def __init__(
+        self,
+        index: int,
+        original_params: list[Tensor],
+        params: list[Tensor],
+        names: list[str],
+        world_size: int,
+        rank: int,
+        cast_dtype: torch.dtype | None = None,
+        gather_dtype: torch.dtype | None = None,
+        master_dtype: torch.dtype | None = None,
+        accum_dtype: torch.dtype | None = None,
+    ) -> None:
+        if not params:
+            raise ValueError(f"param group {index} has no trainable parameters: drop the group or unfreeze some")
+        dtypes = {(p.dtype, p.device) for p in params}
+        if len(dtypes) > 1:
+            raise ValueError(
+                f"param group {index} mixes dtypes/devices {sorted(map(str, dtypes))}: ZeRO flattens a group into one"
+                " buffer, so split the group by dtype"
+            )
+        self.index = index
+        self.params = params
+        self.names = names
+        self.layout: FlatLayout = flat_layout([p.numel() for p in params], world_size)
+        self.module_dtype = params[0].dtype  # what the module had: it gets the master values back in it
+        dtype, device = cast_dtype or self.module_dtype, params[0].device
+        self.start, self.end = self.layout.shard_range(rank)
+        self.gather_dtype = gather_dtype or dtype
+        rounded = dtype != master_dtype or self.gather_dtype != master_dtype  # the flat holds rounded values
+        master = master_dtype if master_dtype is not None and rounded else None
+        if master is not None:  # from the values before any cast (fp32 initialisation stays exact)
+            self.shard = nn.Parameter(torch.zeros(self.end - self.start, dtype=master, device=device))
+            for i, in_param, in_shard, length in self.layout.param_pieces(rank):
+                piece = params[i].detach().reshape(-1).narrow(0, in_param, length)
+                self.shard.data.narrow(0, in_shard, length).copy_(piece)
+        self.flat = torch.zeros(self.layout.padded_numel, dtype=dtype, device=device)
+        for p, offset in zip(params, self.layout.offsets):
+            view = self.flat.narrow(0, offset, p.numel())
+            view.copy_(p.detach().reshape(-1))
+            p.data = view.view_as(p)
+        if master is not None:  # what every gather will hold: the master rounded to the gather dtype
+            self.flat.copy_(self.flat.to(self.gather_dtype))
+        else:
+            self.shard = nn.Parameter(self.flat.narrow(0, self.start, self.end - self.start))
+        self.has_master = master is not None
+        self.grad_dtype = accum_dtype or self.shard.dtype  # by default the dtype the optimizer updates
+        self.casts_grad = self.grad_dtype != self.shard.dtype  # shard.grad is a copy made in before_step
+        self.accumulating = False  # a reduction of the current window went into the gradient storage
+        # The group as the user built it (frozen ones included): how the full state dict numbers parameters.
+        self.original_params = original_params
+        self.flat_grad: Tensor | None = None  # persistent full gradient (stage 1, boundary)
+        self.shard_grad: Tensor | None = None  # persistent shard accumulator (transient buckets)
+
+
+class ShardedOptimizer:
+    """ZeRO-1/2 over ``module`` and the user's ``optimizer`` (rebuilt in place over this rank's shards).
+
+    Args:
+        module: the model; every trainable parameter must be in some param group of ``optimizer``.
+        optimizer: any ``torch.optim`` optimizer, with no state yet.
+        stage: 1 or 2; sets the default of ``grad_sync``.
+        grad_sync: ``"boundary"`` or ``"microbatch"`` (see the module docstring); ``None``: ``"boundary"`` for
+            stage 1, ``"microbatch"`` for stage 2.
+        bucket_cap_bytes: gradient bucket cap in bytes.
+        cast_dtype: dtype the module's parameters are cast to (``None``: as they are).
+        gather_dtype: dtype of the all-gather of the updated shards (``None``: the parameters').
+        master_dtype: dtype of the shard the optimizer updates, kept apart when the parameters are in, or gathered
+            in, another ([Note: tensor roles], master shard).
+        reduce_dtype: dtype gradients are all-reduced in (``None``: the accumulation dtype).
+        accum_dtype: dtype gradients are stored and accumulated in (``None``: the dtype the optimizer updates; see
+            [Note: tensor roles]).
+        find_unused_parameters: allow parameters without a gradient in a backward pass (see
+            :class:`~lightning_zero.dp.reducer.GradientReducer`); a parameter no rank used in an optimizer step is left
+            untouched by it ([Note: parameters no rank used] in ``lightning_zero/zero/unused.py``).
+        group: process group (``None``: the default group).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        stage: int,
+        grad_sync: str | None = None,
+        bucket_cap_bytes: int,
+        find_unused_parameters: bool = False,
+        cast_dtype: torch.dtype | None = None,
+        gather_dtype: torch.dtype | None = None,
+        master_dtype: torch.dtype | None = None,
+        reduce_dtype: torch.dtype | None = None,
+        accum_dtype: torch.dtype | None = None,
+        group: object = None,
+    ) -> None:
+        if stage not in (1, 2):
+            raise ValueError(f"stage={stage!r} is invalid for ShardedOptimizer: expected 1 or 2")
+        grad_sync = grad_sync or ("boundary" if stage == 1 else "microbatch")
+        if grad_sync not in GRAD_SYNC_MODES:
+            raise ValueError(f"grad_sync={grad_sync!r} is invalid: expected one of {GRAD_SYNC_MODES}")
+        if optimizer.state:
+            raise ValueError("the optimizer already has state: ZeRO must shard it before the first step")
+        self.stage, self.grad_sync, self.group, self.optimizer = stage, grad_sync, group, optimizer
+        self.world_size, self.rank = comm.world_size(group), comm.rank(group)
+        self.persistent = stage == 1 and grad_sync == "boundary"
+
+        order = {id(p): i for i, p in enumerate(module.parameters())}
+        names = {id(p): name for name, p in module.named_parameters()}
+        seen: set[int] = set()
+        self.groups: list[_FlatGroup] = []
+        for index, param_group in enumerate(optimizer.param_groups):
+            unknown = [p for p in param_group["params"] if id(p) not in order]
+            if unknown:
+                raise ValueError(f"param group {index} holds {len(unknown)} tensor(s) that are not module parameters")
+            # Registration order, so that reverse-order buckets are contiguous ranges of the flat buffer.
+            params = sorted((p for p in param_group["params"] if p.requires_grad), key=lambda p: order[id(p)])
+            seen.update(id(p) for p in params)
+            flat_group = _FlatGroup(
+                index,
+                list(param_group["params"]),
+                params,
+                [names[id(p)] for p in params],
+                self.world_size,
+                self.rank,
+                cast_dtype,
+                gather_dtype,
+                master_dtype,
+                accum_dtype,
+            )
+            param_group["params"] = [flat_group.shard]
+            self.groups.append(flat_group)
+        check_in_optimizer([name for name, p in module.named_parameters() if p.requires_grad and id(p) not in seen])
+        self.masters_loaded = False
+        self.reducer = self._build_reducer(module, bucket_cap_bytes, find_unused_parameters, reduce_dtype)
+        self._held = HeldPieces(optimizer)
+        self._pieces = [param_pieces(g.names, g.shard, g.layout, self.rank) for g in self.groups]
+
+    def _build_reducer(
+        self, module: nn.Module, bucket_cap_bytes: int, find_unused: bool, reduce_dtype: torch.dtype | None
+    ) -> GradientReducer:
+        # Every trainable parameter in reverse registration order, tagged with its group and flat offset.
+        entries = []
+        where = {id(p): (g, offset) for g in self.groups for p, offset in zip(g.params, g.layout.offsets)}
+        for name, p in reversed(list(module.named_parameters())):
+            if id(p) in where:
+                entries.append((name, p, *where[id(p)]))
+        layouts = assign_buckets(
+            [p.numel() for _, p, _, _ in entries],
+            [torch.empty((), dtype=g.grad_dtype).element_size() for _, _, g, _ in entries],
+            [g.index for _, _, g, _ in entries],
+            bucket_cap_bytes,
+        )
+        buckets, self._bucket_range = [], {}
+        for layout in layouts:
+            g = self.groups[layout.key]
+            members = [entries[i] for i in layout.indices]
+            lo = min(offset for *_, offset in members)
+            hi = max(offset + p.numel() for _, p, _, offset in members)
+            if hi == g.layout.numel:
+                hi = g.layout.padded_numel  # the bucket holding the group's end carries the padding
+            offsets = tuple(offset - lo for *_, offset in members)
+            bucket = GradBucket(layout.indices, offsets, hi - lo, g.grad_dtype, g.flat.device)
+            if self.persistent:
+                if g.flat_grad is None:
+                    g.flat_grad = torch.zeros_like(g.flat, dtype=g.grad_dtype)
+                bucket.buffer = g.flat_grad.narrow(0, lo, hi - lo)
+            self._bucket_range[id(bucket)] = (g, lo, hi)
+            buckets.append(bucket)
+        if not self.persistent:
+            for g in self.groups:
+                g.shard_grad = torch.zeros_like(g.shard, dtype=g.grad_dtype)
+        return GradientReducer(
+            [p for _, p, _, _ in entries],
+            [name for name, *_ in entries],
+            buckets,
+            transient=not self.persistent,
+            on_reduced=self._on_bucket_reduced,
+            find_unused_parameters=find_unused,
+            group=self.group,
+            reduce_dtype=reduce_dtype,
+        )
+
+    def _on_bucket_reduced(self, bucket: GradBucket) -> None:
+        g, lo, hi = self._bucket_range[id(bucket)]
+        first, g.accumulating = not g.accumulating, True  # first: the first reduction since the last step
+        if self.persistent:
+            if not g.casts_grad:
+                g.shard.grad = self._shard_of_flat_grad(g)
+            return
+        if g.casts_grad and first:
+            g.shard_grad.zero_()  # the last window's sum went to shard.grad in before_step
+        elif not g.casts_grad and g.shard.grad is None:  # zeroed by the optimizer: a new window
+            g.shard_grad.zero_()
+            g.shard.grad = g.shard_grad
+        owned_lo, owned_hi = g.layout.owned(self.rank, lo, hi)
+        if owned_lo < owned_hi:
+            g.shard_grad.narrow(0, owned_lo - g.start, owned_hi - owned_lo).add_(
+                bucket.buffer.narrow(0, owned_lo - lo, owned_hi - owned_lo)
+            )
+
+    @staticmethod
+    def _shard_of_flat_grad(g: _FlatGroup) -> Tensor:
+        assert g.flat_grad is not None
+        return g.flat_grad.narrow(0, g.start, g.end - g.start)
+
+    # ---------------------------------------------------------------- public
+    @property
+    def shard_params(self) -> list[nn.Parameter]:
+        return [g.shard for g in self.groups]
+
+    @property
+    def strategy_buffers(self) -> list[Tensor]:
+        """Persistent tensors the engine owns beyond params, grads and optimizer state (flat buffers included)."""
+        persistent = [g.flat for g in self.groups]
+        persistent += [t for g in self.groups for t in (g.flat_grad, g.shard_grad) if t is not None]
+        return persistent + self.reducer.buffers
+
+    def clip_grad_norm_(self, max_norm: float) -> Tensor:
+        """Scale the shard gradients so the *global* gradient norm is at most ``max_norm``; return that norm."""
+        grads = [g.shard.grad for g in self.groups if g.shard.grad is not None]
+        return clip_grad_norm_(grads, max_norm, group=self.group, device=self.groups[0].flat.device)
+
+    @property
+    def param_pieces(self) -> list[ParamPieces]:
+        """Every trainable parameter with its pieces in this rank's shard."""
+        return [p for group in self._pieces for p in group]
+
+    @property
+    def unused_everywhere(self) -> set[str]:
+        """Parameters no rank used in the last synchronised window (with ``find_unused_parameters``)."""
+        return {self.reducer.names[i] for i in self.reducer.unused_everywhere}
+
+    def before_step(self) -> None:
+        """Between the last backward of a window and the optimizer's update (before unscaling and clipping): the
+        shard gradients stored in ``accum_dtype`` copied to the optimizer's dtype, and what no rank used held."""
+        for g in self.groups:
+            if g.casts_grad and g.accumulating:
+                grad = self._shard_of_flat_grad(g) if self.persistent else g.shard_grad
+                g.shard.grad = grad.to(g.shard.dtype)  # dropped again in after_step
+                g.accumulating = False
+        if self.reducer.find_unused_parameters:
+            self._held.hold(self.param_pieces, self.unused_everywhere)
+
+    def after_step(self) -> None:
+        """Put held pieces back, all-gather the updated shards into the full parameters, end the window (and drop
+        stage 1's full local gradients and the shard gradients' copies of ``accum_dtype``)."""
+        self._held.restore()
+        self.reducer.end_window()
+        for g in self.groups:
+            g.accumulating = False
+            if g.casts_grad:
+                g.shard.grad = None
+        self._gather_params()
+        if self.persistent:
+            for g in self.groups:
+                for p in g.params:
+                    p.grad = None
+
+    def _gather_params(self) -> None:
+        for g in self.groups:  # a master shard is rounded to the gather dtype on the way
+            comm.all_gather(g.flat, g.shard.detach(), group=self.group, tag="params", dtype=g.gather_dtype)
+
+    def remove(self) -> None:
+        self.reducer.remove()
+
+    def restore_masters(self) -> None:
+        """After a fit: the module's parameters hold the master values in the dtype the module had (not the values
+        rounded to ``gather_dtype``), as an unsharded optimizer would have left them. Collective; a module that was
+        cast gets new full-size parameters."""
+        for g in self.groups:
+            if not g.has_master:
+                continue
+            if g.flat.dtype == g.module_dtype:
+                comm.all_gather(g.flat, g.shard.detach(), group=self.group, tag="params")
+                continue
+            full = torch.empty(g.layout.padded_numel, dtype=g.module_dtype, device=g.flat.device)
+            comm.all_gather(full, g.shard.detach(), group=self.group, tag="params")
+            for p, offset in zip(g.params, g.layout.offsets):
+                p.data = full.narrow(0, offset, p.numel()).view_as(p)
+
+    def sync_after_load(self) -> None:
+        """After a checkpoint was loaded into the module and the optimizer: the parameters from master values
+        loaded with the optimizer state, or else the masters from the loaded parameters."""
+        if self.masters_loaded:
+            self._gather_params()
+        for g in self.groups:
+            if g.has_master and not self.masters_loaded:
+                g.shard.data.copy_(g.flat.narrow(0, g.start, g.end - g.start))
+        self.masters_loaded = False

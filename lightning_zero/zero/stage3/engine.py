@@ -1,0 +1,569 @@
+"""ZeRO stage 3: parameters sharded per unit, gathered just before use (with prefetch) and freed right after.
+
+Runbook::
+
+    engine = ShardedParams(model, auto_wrap_policy={Block}, device=device)  # shards (or builds, if on meta) the model
+    optimizer = torch.optim.AdamW(model.parameters())                       # the user's optimizer, as usual
+    engine.attach_optimizer(optimizer)       # rebuilt in place over this rank's flat shards
+    loss = model(x).sum(); loss.backward()   # units gathered/freed by hooks; gradients reduce-scattered per unit
+    engine.clip_grad_norm_(1.0); optimizer.step(); optimizer.zero_grad()
+
+[Note: tensor roles] (units: [Note: units] in ``lightning_zero/zero/stage3/units.py``; layout: [Note: flat layout] in
+``lightning_zero/zero/partition.py``) A unit's parameters are split into *segments*: one per optimizer param group (and
+one for frozen parameters), each laid out flat and padded to a multiple of N.
+
+- *shard* (``segment.shard``): an ``nn.Parameter`` with this rank's ``padded / N`` elements of the segment; the only
+  persistent copy of the weights. The user's optimizer is rebuilt to step the shards (8Ψ/N of AdamW state).
+- *unsharded flat* (``segment.full``): the all-gather output. Its storage is resized to the full size for a gather
+  and back to 0 bytes when the unit is freed, so the module's parameters can be views of it, and so can tensors
+  autograd saved for backward (they see the storage again when backward re-gathers the unit).
+- *module parameter*: the user's ``nn.Parameter`` objects stay (the optimizer, ``named_parameters`` and shapes work
+  as usual). Gathered, ``p.data`` is a view of the unsharded flat; sharded, it is a *placeholder*: one zero element
+  expanded to ``p``'s shape (full shape, 4 bytes, reads as zeros, in-place writes fail).
+- *unsharded gradient* (``segment.grad_full``): the unit's gradients gathered into one flat buffer as autograd
+  produces them (``p.grad`` is dropped at once), reduce-scattered (average) when the unit's last gradient arrives.
+  The result is added to ``shard.grad``, the persistent 4Ψ/N accumulator.
+- mixed precision ([Note: precision policy] in ``lightning_zero/training/precision.py``): the shard is in
+  ``master_dtype`` (fp32: the master weights the optimizer updates, and what checkpoints hold); it is all-gathered in
+  ``gather_dtype`` (bf16: half the bytes; the values the module computes with are the masters rounded to it) into the
+  unsharded flat, which keeps the module's dtype (or ``cast_dtype``); unsharded gradients are in the shard's dtype
+  (accumulation) and reduce-scattered in ``reduce_dtype``.
+
+Per step: forward gathers each unit (4Ψ, while the next unit's gather is in flight) and frees it after its forward,
+unless ``reshard_after_forward=False``; backward re-gathers it (another 4Ψ, prefetching the unit that ran before it),
+reduce-scatters its gradients (4Ψ) and frees everything. The root unit is gathered on first use and kept until its
+gradients are reduced (its weights, e.g. embedding and LM head, are used at both ends of the model).
+
+``grad_sync="microbatch"`` (default) reduces every backward into ``shard.grad``; ``"boundary"`` keeps each segment's
+unsharded gradient through the non-boundary micro-batches (inside :meth:`no_sync`: no communication, +4Ψ) and
+reduces once at the boundary. Both are exact.
+
+[Note: gather sequence check] (in ``lightning_zero/zero/stage3/gather_order.py``): every rank must gather the units in
+the same order; gathers that repeat the previous pass's order need no exchange, others are checked first.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from datetime import timedelta
+from functools import partial
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten
+
+from lightning_zero.comm import collectives as comm
+from lightning_zero.dp.unused import UsedParams, unused_error
+from lightning_zero.zero.grad_norm import clip_grad_norm_
+from lightning_zero.zero.stage3.gather_order import GatherOrder
+from lightning_zero.zero.stage3.materialize import build_meta_modules, load_real_tensors
+from lightning_zero.zero.stage3.segments import Segment, Unit, UnitState
+from lightning_zero.zero.stage3.units import ROOT, check_compiled, plan_units, root_owners
+from lightning_zero.zero.stage12 import GRAD_SYNC_MODES, check_in_optimizer
+from lightning_zero.zero.unused import HeldPieces, ParamPieces, param_pieces
+
+FROZEN, TRAINABLE = "frozen", "trainable"
+"""Segment keys before :meth:`ShardedParams.attach_optimizer` (after it, trainable keys are param group indices)."""
+
+_ENGINES: weakref.WeakKeyDictionary[nn.Module, weakref.ref[ShardedParams]] = weakref.WeakKeyDictionary()
+"""Module -> its engine (weak both ways: the module's hooks keep the engine alive as long as the module lives)."""
+
+MAX_PENDING_REDUCTIONS = 1
+"""Reduce-scatters left in flight while backward continues (each holds one unit's unsharded gradient)."""
+
+
+class ShardedParams:
+    """ZeRO-3 over ``module``: see the module docstring.
+
+    Args:
+        module: the model, with real parameters (sharded from rank 0's values) or on the meta device (built here
+            module by module with ``reset_parameters()``, each rank keeping only its pieces).
+        auto_wrap_policy / min_num_params: how units are chosen ([Note: units]).
+        reshard_after_forward: free a unit after its forward (``True``) or keep it until its backward.
+        grad_sync: ``"microbatch"`` or ``"boundary"``.
+        device: where shards and gathered parameters live.
+        rng_state: ``{"cpu": state, "cuda": state}`` to build meta-device modules from ([Note: meta initialisation]
+            in ``lightning_zero/zero/stage3/materialize.py``); default: the current RNG state.
+        timeout: of the gather-sequence check's own process group (``None``: torch's default); pass the main
+            group's, so a rank that stops gathering makes the others fail as soon as on the main group.
+        find_unused_parameters: allow trainable parameters without a gradient in a backward pass; see
+            [Note: unused parameters]. Off: such a parameter raises an error naming it.
+        cast_dtype / gather_dtype / master_dtype / reduce_dtype: mixed precision ([Note: tensor roles]); ``None``:
+            the parameters' own dtype.
+        group: process group (``None``: the default group).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        auto_wrap_policy: set[type] | None = None,
+        min_num_params: int | None = None,
+        reshard_after_forward: bool = True,
+        grad_sync: str = "microbatch",
+        device: torch.device | str = "cpu",
+        rng_state: Mapping[str, Tensor] | None = None,
+        timeout: timedelta | None = None,
+        find_unused_parameters: bool = False,
+        cast_dtype: torch.dtype | None = None,
+        gather_dtype: torch.dtype | None = None,
+        master_dtype: torch.dtype | None = None,
+        reduce_dtype: torch.dtype | None = None,
+        group: Any = None,
+    ) -> None:
+        if grad_sync not in GRAD_SYNC_MODES:
+            raise ValueError(f"grad_sync={grad_sync!r} is invalid: expected one of {GRAD_SYNC_MODES}")
+        if ShardedParams.of(module) is not None:
+            raise ValueError("the module is sharded already (by an earlier fit): reuse ShardedParams.of(module)")
+        _ENGINES[module] = weakref.ref(self)
+        self.module, self.group, self.device = module, group, torch.device(device)
+        self.reshard_after_forward, self.grad_sync = reshard_after_forward, grad_sync
+        self.world_size, self.rank = comm.world_size(group), comm.rank(group)
+        self._dtypes = (cast_dtype, gather_dtype, master_dtype)  # of every segment
+        self._module_dtypes = {id(p): p.dtype for p in module.parameters()}  # before any cast or placeholder
+        self.reduce_dtype = reduce_dtype
+        self.require_backward_grad_sync = True
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.original_groups: list[list[nn.Parameter]] = []
+        self._placeholders: dict[torch.dtype, Tensor] = {}
+        self._where: dict[int, tuple[Unit, Segment, int]] = {}  # id(param) -> its unit, segment and index there
+        self._names = {id(p): name for name, p in module.named_parameters()}
+        plans = plan_units(module, auto_wrap_policy, min_num_params)
+        check_compiled(module, plans)
+        self.units = [Unit(i, plan) for i, plan in enumerate(plans)]
+        for unit in self.units:
+            params = [module.get_parameter(name) for name in unit.plan.param_names]
+            self._build_segments(unit, [TRAINABLE if p.requires_grad else FROZEN for p in params], params)
+        load_real_tensors(module, self._load_param, self.device, group)
+        build_meta_modules(module, self._load_param, self.device, rng_state, group)
+        self._gather_order = GatherOrder([u.plan.label for u in self.units], group=group, timeout=timeout)
+        self._order: list[int] = []  # units in the order this pass gathered them in forward
+        self._last_order = [u.index for u in self.units]  # the previous pass's (prefetch guide)
+        self._pending: list[tuple[Unit, Segment, Tensor, Tensor, comm.Handle | None]] = []
+        self._cache: dict[tuple[int, torch.dtype], list[Tensor]] = {}  # transient buffers reused within a step
+        self._callback_queued = False
+        self.released, self._reading = False, False
+        self._hooks = self._register_hooks()
+        owners = {id(m): m for m in module.modules() if any(id(p) in self._where for p in m.parameters(recurse=False))}
+        self._hooks += [m.register_state_dict_pre_hook(self._check_readable) for m in owners.values()]
+        # [Note: unused parameters]
+        self.find_unused_parameters = find_unused_parameters
+        self._used = UsedParams([(name, p) for name, p in module.named_parameters() if p.requires_grad])
+        self._reduce_order = [u for u in reversed(self.units) if u.expected]
+        self._next_reduce = 0
+        self._held: HeldPieces | None = None
+
+    @staticmethod
+    def of(module: nn.Module) -> ShardedParams | None:
+        """The engine that shards ``module``, if any (its hooks and shards outlive a fit)."""
+        ref = _ENGINES.get(module)
+        return ref() if ref is not None else None
+
+    # ------------------------------------------------------------ construction
+    def _build_segments(self, unit: Unit, keys: list[int | str], params: list[nn.Parameter]) -> None:
+        unit.segments = []
+        for key in dict.fromkeys(keys):
+            members = [p for p, k in zip(params, keys) if k == key]
+            dtypes = {p.dtype for p in members}
+            if len(dtypes) > 1:
+                raise ValueError(f"unit {unit.plan.label!r} mixes dtypes {sorted(map(str, dtypes))} in one segment")
+            names = [self._names[id(p)] for p in members]
+            unit.segments.append(
+                Segment(
+                    key,
+                    members,
+                    names,
+                    self.world_size,
+                    self.rank,
+                    self.device,
+                    self._module_dtypes[id(members[0])],
+                    *self._dtypes,
+                )
+            )
+        unit.expected = sum(p.requires_grad for p in unit.params)
+        self._where.update({id(p): (unit, s, i) for s in unit.segments for i, p in enumerate(s.params)})
+
+    def _placeholder(self, p: Tensor, segment: Segment) -> Tensor:
+        dtype = segment.full.dtype  # a parameter keeps the dtype it computes in, gathered or not
+        if dtype not in self._placeholders:
+            self._placeholders[dtype] = torch.zeros((), dtype=dtype, device=self.device)
+        return self._placeholders[dtype].expand(p.shape)
+
+    def shard_dtype(self, p: Tensor) -> torch.dtype:
+        """The dtype ``p``'s values are kept in (its shard's: the master dtype under mixed precision)."""
+        return self._where[id(p)][1].shard.dtype
+
+    def _load_param(self, p: nn.Parameter) -> None:
+        _, segment, i = self._where[id(p)]
+        segment.load_param(i, p.data)
+        p.data = self._placeholder(p, segment)
+
+    def _register_hooks(self) -> list[Any]:
+        hooks = []
+        for unit in self.units:
+            if unit.plan.name == ROOT:
+                for _, m in root_owners(self.module, [unit.plan]):
+                    hooks.append(m.register_forward_pre_hook(partial(self._pre_forward, unit)))
+                continue
+            m = self.module.get_submodule(unit.plan.name)
+            hooks.append(m.register_forward_pre_hook(partial(self._pre_forward, unit)))
+            hooks.append(m.register_forward_hook(partial(self._post_forward, unit)))
+        for unit in self.units:
+            for p in unit.params:
+                if p.requires_grad:
+                    hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+        return hooks
+
+    # ------------------------------------------------------------ gather / free
+    def _gather(self, unit: Unit) -> None:
+        """Launch the unit's all-gathers (asynchronous)."""
+        if unit.state is not UnitState.SHARDED or not unit.segments:
+            return
+        unit.handles = []
+        self._gather_order.before_gather(unit.index)
+        for s in unit.segments:
+            s.full.untyped_storage().resize_(s.nbytes)
+            unit.handles.append(
+                comm.all_gather(
+                    s.full, s.shard.detach(), group=self.group, async_op=True, tag="params", dtype=s.gather_dtype
+                )
+            )
+        unit.state = UnitState.GATHERING
+
+    def _wait(self, unit: Unit) -> None:
+        if unit.state is UnitState.GATHERING:
+            self._wait_for(unit.handles, f"all-gather of unit {unit.plan.label!r}")
+            unit.handles = []
+            for s in unit.segments:
+                for p, view in zip(s.params, s.views):
+                    p.data = view
+            unit.state = UnitState.GATHERED
+
+    def _wait_for(self, handles: list[comm.Handle | None], what: str) -> None:
+        try:
+            for handle in handles:
+                if handle is not None:
+                    handle.wait()
+        except RuntimeError as error:  # e.g. a timeout: another rank left the gather order (gather_order.py)
+            raise RuntimeError(
+                f"ZeRO-3 {what} failed on rank {self.rank}: another rank did not join it (if one reports a diverged"
+                " gather sequence, that is the cause)"
+            ) from error
+
+    def _free(self, unit: Unit) -> None:
+        if unit.state is UnitState.SHARDED:
+            return
+        self._wait(unit)
+        for s in unit.segments:
+            for p in s.params:
+                p.data = self._placeholder(p, s)
+            s.full.untyped_storage().resize_(0)
+        unit.state = UnitState.SHARDED
+
+    def reshard(self) -> None:
+        """Free every gathered unit and end the pass (after an evaluation step; by itself after each backward)."""
+        self._free_all()
+        self._gather_order.end_pass()
+
+    def _free_all(self) -> None:
+        for unit in self.units:
+            self._free(unit)
+        self._last_order, self._order = self._order or self._last_order, []
+
+    @contextmanager
+    def summon_full_params(self) -> Iterator[None]:
+        """Inside, every module parameter holds its full value (read-only: writes do not reach the shards)."""
+        if self.released:
+            yield
+            return
+        for unit in self.units:
+            self._gather(unit)
+            self._wait(unit)
+        try:
+            yield
+        finally:
+            self.reshard()
+
+    # ------------------------------------------------------------ forward
+    def _pre_forward(self, unit: Unit, module: nn.Module, args: Any) -> None:
+        if unit.state is UnitState.GATHERED:
+            return
+        self._gather(unit)
+        self._wait(unit)
+        if self._callback_queued:  # a recompute inside backward (activation checkpointing): not the forward order
+            return
+        self._order.append(unit.index)
+        position = len(self._order)
+        if position < len(self._last_order):  # prefetch what ran next last time
+            self._gather(self.units[self._last_order[position]])
+
+    def _post_forward(self, unit: Unit, module: nn.Module, args: Any, output: Any) -> None:
+        tensors = [t for t in tree_flatten(output)[0] if isinstance(t, Tensor) and t.requires_grad]
+        if torch.is_grad_enabled() and tensors:
+            unit.backward_started = False
+            for t in tensors:
+                t.register_hook(partial(self._pre_backward, unit))
+            if not self.reshard_after_forward:
+                return
+        self._free(unit)
+
+    # ------------------------------------------------------------ backward
+    def _queue_end_backward(self) -> None:
+        if not self._callback_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+            self._callback_queued = True
+
+    def _pre_backward(self, unit: Unit, grad: Tensor) -> None:
+        self._queue_end_backward()
+        if unit.backward_started:
+            return
+        unit.backward_started = True
+        self._gather(unit)
+        self._wait(unit)
+        if unit.index in self._order:  # prefetch the unit that ran just before this one
+            last = len(self._order) - 1 - self._order[::-1].index(unit.index)
+            if last > 0:
+                self._gather(self.units[self._order[last - 1]])
+
+    def _on_grad(self, p: Tensor) -> None:
+        if p.grad is None:
+            return
+        self._queue_end_backward()  # a model with a root unit only has no pre-backward hook
+        unit, segment, i = self._where[id(p)]
+        if segment.grad_full is None:  # not zeroed: each gradient is copied in, gaps are zeroed before reducing
+            segment.grad_full, segment.filled = self._take_grad_full(segment), [False] * len(segment.params)
+        region = segment.grad_full.narrow(0, segment.layout.offsets[i], p.numel())
+        if segment.filled[i]:
+            region.add_(p.grad.reshape(-1))
+        else:
+            region.copy_(p.grad.reshape(-1))
+        segment.filled[i] = True
+        p.grad = None
+        self._used.mark(p)
+        unit.arrived += 1
+        if unit.arrived == unit.expected:
+            self._unit_done(unit)
+
+    def _unit_done(self, unit: Unit) -> None:
+        if self.require_backward_grad_sync:
+            if self.find_unused_parameters:
+                unit.ready = True
+                self._reduce_in_order()
+            else:
+                self._reduce(unit)
+        unit.arrived = -1  # done for this pass
+        self._free(unit)
+
+    def _reduce_in_order(self, finish: bool = False) -> None:
+        """Reduce the ready units in the fixed order (all the rest too, as zeros where unused, with ``finish``)."""
+        while self._next_reduce < len(self._reduce_order):
+            unit = self._reduce_order[self._next_reduce]
+            if not (unit.ready or finish):
+                return
+            self._reduce(unit)
+            self._next_reduce += 1
+
+    def _reduce(self, unit: Unit) -> None:
+        """Launch the reduce-scatter of the unit's gradients (missing ones count as zeros)."""
+        for s in unit.segments:
+            if s.grad_full is None:
+                if not self.find_unused_parameters or s.key == FROZEN:
+                    continue
+                s.grad_full, s.filled = self._take_grad_full(s), [False] * len(s.params)  # no gradient on this rank
+            s.zero_unfilled()
+            if s.grad_acc is None:
+                s.grad_acc = torch.empty_like(s.shard)
+            first = s.shard.grad is None and all(p[1] is not s for p in self._pending)  # of this window
+            out = s.grad_acc if first else self._take(s.shard)
+            handle = comm.reduce_scatter(
+                out, s.grad_full, "avg", group=self.group, async_op=True, tag="grads", dtype=self.reduce_dtype
+            )
+            self._pending.append((unit, s, out, s.grad_full, handle))
+            s.grad_full = None
+        while len(self._pending) > MAX_PENDING_REDUCTIONS:
+            self._finish_reduction()
+
+    def _finish_reduction(self) -> None:
+        unit, segment, out, grad_full, handle = self._pending.pop(0)
+        self._wait_for([handle], f"gradient reduce-scatter of unit {unit.plan.label!r}")
+        self._give(grad_full)
+        if out is segment.grad_acc:
+            segment.shard.grad = out
+        else:
+            segment.shard.grad.add_(out)
+            self._give(out)
+
+    def _take(self, like: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+        """An uninitialised buffer shaped like ``like`` (in ``dtype``), reused within a step: reallocating (and
+        page-faulting) every unit's gradient buffers costs more than the communication they feed."""
+        dtype = dtype or like.dtype
+        free = self._cache.get((like.numel(), dtype), [])
+        return free.pop() if free else torch.empty_like(like, dtype=dtype)
+
+    def _take_grad_full(self, segment: Segment) -> Tensor:
+        """An unsharded gradient buffer: full-sized, in the shard's dtype (gradients accumulate in it)."""
+        return self._take(segment.full, segment.shard.dtype)
+
+    def _give(self, buffer: Tensor) -> None:
+        self._cache.setdefault((buffer.numel(), buffer.dtype), []).append(buffer)
+
+    def _end_backward(self) -> None:
+        try:
+            sync = self.require_backward_grad_sync
+            unused = self._used.unused_in_pass()
+            if sync and unused and not self.find_unused_parameters:
+                raise unused_error(unused)
+            for unit in self.units:  # units with unused trainable parameters: the rest reduced as zeros
+                if unit.arrived > 0:
+                    self._unit_done(unit)
+            if sync and self.find_unused_parameters:
+                self._reduce_in_order(finish=True)
+                self._used.find_unused_everywhere(self.device, self.group)
+            while self._pending:
+                self._finish_reduction()
+        finally:
+            for unit in self.units:
+                unit.arrived, unit.ready = 0, False
+            self._next_reduce = 0
+            self._used.end_pass()
+            self._callback_queued = False
+            self._cache.clear()  # nothing unsharded survives the step
+            self._free_all()
+        self._gather_order.end_pass()  # not after an error: the other ranks may never reach theirs
+
+    # ------------------------------------------------------------ unused parameters
+    # [Note: unused parameters] With find_unused_parameters=True a unit that a rank did not (fully) use is reduced all
+    # the same, its missing gradients as zeros, and every rank reduces the units in one fixed order (reverse unit
+    # order, roughly the order backward finishes them): a unit whose turn has not come waits with its unsharded
+    # gradient. After the last reduction one small all-reduce finds the parameters no rank used in the window; the
+    # optimizer step leaves those untouched (lightning_zero/zero/unused.py), as torch DDP does.
+    @property
+    def unused_everywhere(self) -> set[str]:
+        """Parameters no rank used in the last synchronised window (with ``find_unused_parameters``)."""
+        return self._used.unused_everywhere
+
+    @property
+    def param_pieces(self) -> list[ParamPieces]:
+        """Every trainable parameter with its pieces in this rank's shard."""
+        trainable = [s for s in self.segments if s.key != FROZEN]
+        return [p for s in trainable for p in param_pieces(s.names, s.shard, s.layout, self.rank)]
+
+    def before_step(self) -> None:
+        """Between the last backward of a window and the optimizer's update: hold what no rank used."""
+        if self.find_unused_parameters and self._held is not None:
+            self._held.hold(self.param_pieces, self.unused_everywhere)
+
+    def after_step(self) -> None:
+        """After the optimizer's update: put held pieces back; the accumulation window ends."""
+        if self._held is not None:
+            self._held.restore()
+        self._used.end_window()
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside keep unsharded gradients and communicate nothing (``grad_sync="boundary"``)."""
+        previous, self.require_backward_grad_sync = self.require_backward_grad_sync, False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = previous
+
+    # ------------------------------------------------------------ optimizer
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Rebuild ``optimizer`` (built over the module's parameters, no state yet) in place over the shards."""
+        if optimizer.state:
+            raise ValueError("the optimizer already has state: ZeRO must shard it before the first step")
+        group_of = {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
+        unknown = [i for i in group_of if i not in self._names]
+        if unknown:
+            raise ValueError(f"the optimizer holds {len(unknown)} tensor(s) that are not module parameters")
+        check_in_optimizer([n for n, p in self.module.named_parameters() if p.requires_grad and id(p) not in group_of])
+        for unit in self.units:
+            params = unit.params
+            keys = [group_of[id(p)] if p.requires_grad else FROZEN for p in params]
+            if keys != [s.key for s in unit.segments for _ in s.params]:
+                self._resegment(unit, keys, params)
+        self.optimizer = optimizer
+        self._held = HeldPieces(optimizer)
+        self.original_groups = [list(group["params"]) for group in optimizer.param_groups]
+        for g, group in enumerate(optimizer.param_groups):
+            group["params"] = [s.shard for u in self.units for s in u.segments if s.key == g]
+            if not group["params"]:
+                raise ValueError(f"param group {g} has no trainable parameters: drop the group or unfreeze some")
+
+    def _resegment(self, unit: Unit, keys: list[int | str], params: list[nn.Parameter]) -> None:
+        """Re-lay ``unit`` with one segment per key (one unit gathered at a time)."""
+        values = {}  # in the shards' dtype: master values are not rounded on the way
+        for s in unit.segments:
+            values.update(zip(map(id, s.params), s.gather_values(s.shard, self.group, tag="params")))
+        self._build_segments(unit, keys, params)
+        for s in unit.segments:
+            for i, p in enumerate(s.params):
+                s.load_param(i, values[id(p)])
+
+    @property
+    def segments(self) -> list[Segment]:
+        return [s for u in self.units for s in u.segments]
+
+    @property
+    def shard_params(self) -> list[nn.Parameter]:
+        return [s.shard for s in self.segments]
+
+    @property
+    def strategy_buffers(self) -> list[Tensor]:
+        """Persistent tensors beyond shards, their gradients and optimizer state (unsharded flats: 0 bytes)."""
+        persistent = [s.full for s in self.segments] + [s.grad_acc for s in self.segments if s.grad_acc is not None]
+        return persistent + list(self._placeholders.values())
+
+    def clip_grad_norm_(self, max_norm: float) -> Tensor:
+        """Global-norm clipping over every rank's shard gradients (see ``clip_grad_norm_`` in sharded_optimizer)."""
+        grads = [s.shard.grad for s in self.segments if s.shard.grad is not None]
+        return clip_grad_norm_(grads, max_norm, group=self.group, device=self.device)
+
+    def remove(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+    # ------------------------------------------------------------ outside a step
+    # [Note: reading sharded parameters] Outside a step a module parameter is a placeholder that reads as zeros. So a
+    # fit that ends hands the full weights back (sharded_params_state.release, when they fit in memory), and until
+    # then a state_dict() of a module holding placeholders raises instead of returning zeros.
+    @property
+    def full_nbytes(self) -> int:
+        """Bytes of every parameter, unsharded."""
+        return sum(s.layout.numel * s.full.element_size() for s in self.segments)
+
+    def detach_from_module(self) -> None:
+        """The module holds its full weights again (``sharded_params_state.release``): hooks removed, no longer
+        registered as sharded. The shards and the optimizer stay usable for a checkpoint."""
+        self.remove()
+        _ENGINES.pop(self.module, None)
+        self.released = True
+
+    @contextmanager
+    def reading_placeholders(self) -> Iterator[None]:
+        """Inside, ``state_dict()`` of the sharded module is allowed (for code that reads only keys and buffers)."""
+        previous, self._reading = self._reading, True
+        try:
+            yield
+        finally:
+            self._reading = previous
+
+    def _check_readable(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        sharded = [
+            name
+            for name, p in module.named_parameters(recurse=False)
+            if id(p) in self._where and self._where[id(p)][0].state is UnitState.SHARDED
+        ]
+        if sharded and not self._reading:
+            raise RuntimeError(
+                f"the parameters of {prefix.rstrip('.') or 'the module'} ({sharded}) are sharded by zero3_scratch: this"
+                " rank holds placeholders that read as zeros. Read them inside"
+                " `with trainer.strategy.engine.summon_full_params():` (on every rank), or save"
+                " `trainer.save_checkpoint(path)`. After a fit the full weights come back into the module when they"
+                " fit in memory (ZeroStrategy(model_init=...) decides)."
+            )

@@ -1,0 +1,224 @@
+"""The Hydra configs (``lightning_zero.conf``) and the ``lightning-zero-train`` CLI.
+
+In-process: every option of every config group composes through Hydra's compose API, our strategy configs
+instantiate, and bad settings (``strategy.stage=4``, an unknown strategy, ``trainer.devices=0``, a misspelt key)
+fail with one message naming the value and what is allowed. As subprocesses (Lightning's popen launcher re-executes
+``sys.argv`` for rank 1, which inside pytest would re-run pytest): a bad override exits non-zero before training, and
+one tiny 2-process ``zero3_scratch`` run exits 0 and leaves its checkpoint, csv metrics and rank-1 log in one run dir.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from hydra.errors import ConfigCompositionException, MissingConfigException
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+import lightning_zero
+from lightning_zero.demo import CharGPTModule, CharTextDataModule
+from lightning_zero.tools.config import ConfigError, ScratchDDPStrategyConf, ZeroStrategyConf, validate_config
+from tests.helpers.cli import run_cli
+from tests.helpers.conf import options
+
+GROUPS = ("trainer", "strategy", "model", "data", "optimizer", "callbacks", "logger", "experiment")
+OUR_STRATEGIES = ("ddp_scratch", "zero1_scratch", "zero2_scratch", "zero3_scratch")
+
+
+def test_every_group_has_itsoptions() -> None:
+    assert set(options("strategy")) >= {*OUR_STRATEGIES, "ddp"}
+    assert set(options("trainer")) >= {"cpu", "gpu", "ddp_sim"}
+    assert {"csv", "tensorboard"} <= set(options("logger"))
+    for group in (*GROUPS, "hydra"):
+        assert options(group), f"conf/{group}/ has no options"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("group", GROUPS)
+def test_every_option_composes_and_validates(compose_cfg, group: str) -> None:
+    for option in options(group):
+        cfg = compose_cfg(f"{group}={option}")
+        validate_config(cfg)
+        assert cfg.trainer._target_ == "lightning.pytorch.Trainer"
+        assert "_target_" in cfg.strategy and "_target_" in cfg.model and "_target_" in cfg.data
+
+
+def test_default_is_the_zero3_demo_on_two_cpu_processes(compose_cfg) -> None:
+    cfg = compose_cfg()
+    assert (cfg.trainer.accelerator, cfg.trainer.devices) == ("cpu", 2)
+    assert (cfg.strategy._target_, cfg.strategy.stage) == ("lightning_zero.ZeroStrategy", 3)
+    assert cfg.model.block_size == cfg.data.block_size
+    assert cfg.optimized_metric == "val/ppl"
+
+
+@pytest.mark.parametrize("name", OUR_STRATEGIES)
+def test_our_strategy_configs_are_typed_and_instantiate(compose_cfg, name: str) -> None:
+    cfg = compose_cfg(f"strategy={name}")
+    schema = ScratchDDPStrategyConf if name == "ddp_scratch" else ZeroStrategyConf
+    assert OmegaConf.get_type(cfg.strategy) is schema
+    strategy = instantiate(cfg.strategy)
+    if name == "ddp_scratch":
+        assert type(strategy) is lightning_zero.ScratchDDPStrategy
+    else:
+        assert type(strategy) is lightning_zero.ZeroStrategy
+        assert strategy.stage == int(name[4])
+
+
+def test_module_class_settings_take_import_paths(compose_cfg) -> None:
+    from lightning_zero.demo.model import Block
+
+    cfg = compose_cfg(
+        "strategy=zero3_scratch",
+        "strategy.auto_wrap_policy=[lightning_zero.demo.model.Block]",
+        "strategy.activation_checkpointing_policy=[lightning_zero.demo.model.Block]",
+        "strategy.grad_accum_dtype=null",
+    )
+    strategy = instantiate(cfg.strategy)
+    assert strategy.auto_wrap_policy == strategy.activation_checkpointing_policy == {Block}
+
+
+def test_lightning_ddp_config_instantiates(compose_cfg) -> None:
+    from lightning.pytorch.strategies import DDPStrategy
+
+    assert type(instantiate(compose_cfg("strategy=ddp").strategy)) is DDPStrategy
+
+
+@pytest.mark.timeout(60)
+def test_demo_data_model_and_optimizer_instantiate_and_step(compose_cfg) -> None:
+    cfg = compose_cfg("data.max_chars=20000", "model.n_layer=1", "model.n_embd=32")
+    data = instantiate(cfg.data)
+    assert isinstance(data, CharTextDataModule) and data.vocab_size > 50
+    data.setup("fit")
+    model = instantiate(cfg.model, vocab_size=data.vocab_size, optimizer=instantiate(cfg.optimizer))
+    assert isinstance(model, CharGPTModule) and model.net is None  # built in configure_model()
+    model.configure_model()
+    x, y = next(iter(data.train_dataloader()))
+    assert x.shape == y.shape == (cfg.data.batch_size, cfg.data.block_size)
+    assert torch.equal(x[:, 1:], y[:, :-1])
+    opt = model.optimizer_factory([p for p in model.parameters()])
+    assert isinstance(opt, torch.optim.AdamW) and opt.defaults["lr"] == cfg.optimizer.lr
+    loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    assert abs(loss.item() - torch.log(torch.tensor(float(data.vocab_size))).item()) < 1.5  # near uniform at init
+
+
+def test_callbacks_and_logger_instantiate(compose_cfg, tmp_path: Path) -> None:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.loggers import CSVLogger
+
+    cfg = compose_cfg()
+    callbacks = [instantiate(c) for c in cfg.callbacks.values()]
+    ckpt = next(c for c in callbacks if isinstance(c, ModelCheckpoint))
+    assert ckpt.dirpath == str(tmp_path / "checkpoints")
+    (logger,) = [instantiate(c) for c in cfg.logger.values()]
+    assert isinstance(logger, CSVLogger) and Path(logger.log_dir) == tmp_path / "csv"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["strategy.stage=4"], "stage=4 is invalid: expected 1, 2 or 3"),
+        (["strategy=zero2_scratch", "strategy.grad_sync=sometimes"], "grad_sync='sometimes' is invalid"),
+        (["strategy=zero1_scratch", "strategy.min_num_params=10"], "apply to stage=3 only: got stage=1"),
+        (["strategy.model_init=eager"], "model_init='eager' is invalid: expected one of ('auto', 'full', 'meta')"),
+        (["strategy=zero2_scratch", "strategy.model_init=full"], "apply to stage=3 only: got stage=2"),
+        (["strategy=ddp_scratch", "strategy.bucket_size_mb=0"], "bucket_size_mb=0.0 is invalid"),
+        (["trainer.devices=0"], "trainer.devices=0 is invalid: expected an integer >= 1"),
+        (["trainer.num_nodes=0"], "trainer.num_nodes=0 is invalid"),
+        (["+trainer.max_stepz=3"], "trainer has unknown keys ['max_stepz']"),
+        (["strategy.reduce_dtype=int8"], "reduce_dtype='int8' is invalid: expected 'auto', one of ['bf16'"),
+        (["strategy=zero1_scratch", "strategy.grad_accum_dtype=int8"], "grad_accum_dtype='int8' is invalid"),
+        (["strategy=zero3_scratch", "strategy.grad_accum_dtype=bf16"], "applies to stages 1 and 2 only: got stage=3"),
+        (
+            ["strategy=ddp_scratch", "strategy.activation_checkpointing_policy=[nope.Block]"],
+            "activation_checkpointing_policy: cannot import 'nope.Block'",
+        ),
+        (
+            ["strategy=zero1_scratch", "strategy.auto_wrap_policy=[torch.nn.Linear]"],
+            "auto_wrap_policy=['torch.nn.Linear'] apply to stage=3 only: got stage=1",
+        ),
+        (
+            ["strategy=zero2_scratch", "strategy.param_dtype=bf16", "trainer.precision=32-true"],
+            "with trainer.precision='32-true': param_dtype=torch.bfloat16 needs a low-precision Trainer precision",
+        ),
+        (
+            ["strategy=ddp_scratch", "strategy.param_dtype=bf16", "trainer.precision=bf16-mixed"],
+            "this strategy gathers none: pass cast_module=True",
+        ),
+        (
+            ["strategy=robust_ddp_scratch", "strategy.cast_module=true", "trainer.precision=bf16-mixed"],
+            "robust_ddp_scratch keeps no fp32 master weights",
+        ),
+    ],
+)
+def test_bad_values_fail_validation_with_a_clear_message(compose_cfg, overrides: list[str], message: str) -> None:
+    cfg = compose_cfg(*overrides)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        validate_config(cfg)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "error", "message"),
+    [
+        (["strategy=zero4_scratch"], MissingConfigException, "Could not find 'strategy/zero4_scratch'"),
+        (["strategy.stagee=3"], ConfigCompositionException, "strategy.stagee"),  # a typo in a key
+        (["strategy.stage=three"], ConfigCompositionException, "strategy.stage=three"),  # a wrong type
+    ],
+)
+def test_bad_overrides_fail_at_composition(compose_cfg, overrides: list[str], error: type, message: str) -> None:
+    with pytest.raises(error, match=re.escape(message)):
+        compose_cfg(*overrides)
+
+
+def test_schema_rejects_unknown_keys_in_a_strategy_yaml(compose_cfg) -> None:
+    """The typo check also covers values written in a YAML file, not only command-line overrides."""
+    cfg = compose_cfg()
+    with pytest.raises(Exception, match="bucket_sizes_mb"):
+        OmegaConf.merge(cfg.strategy, {"bucket_sizes_mb": 3})
+
+
+# ---- the CLI as a subprocess ------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_cli_bad_override_exits_non_zero_with_one_message(tmp_path: Path) -> None:
+    result = run_cli(["strategy.stage=4"], tmp_path, timeout=45)
+    assert result.returncode != 0
+    lines = [line for line in result.stdout.splitlines() if line.strip()]
+    assert lines[-1] == (
+        "lightning-zero-train: invalid configuration: strategy (lightning_zero.ZeroStrategy):"
+        " stage=4 is invalid: expected 1, 2 or 3"
+    ), result.stdout
+    assert not (tmp_path / "outputs").exists() or not list((tmp_path / "outputs").rglob("*.ckpt"))
+
+
+@pytest.mark.timeout(120)
+def test_cli_tiny_two_process_zero3_run_writes_one_run_dir(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    args = [
+        "trainer.max_steps=5",
+        "trainer.val_check_interval=5",
+        "trainer.limit_val_batches=2",
+        "trainer.log_every_n_steps=1",
+        "model.n_layer=1",
+        "model.n_embd=32",
+        "data.max_chars=40000",
+        f"hydra.run.dir={run_dir}",
+    ]
+    result = run_cli(args, tmp_path, timeout=90)
+    assert result.returncode == 0, result.stdout[-6000:]
+    assert not result.leftover, f"processes outlived the run: {result.leftover}"
+    assert f"outputs: {run_dir}" in result.stdout
+    first, final = map(float, re.search(r"val/ppl: first ([\d.]+) \(step 0\), final ([\d.]+)", result.stdout).groups())
+    assert final < first
+    # One run dir holds everything: rank 0's and rank 1's logs, both ranks' checkpoint shards, csv metrics.
+    assert sorted(p.name for p in run_dir.glob("*.log")) == ["train.log", "train_ddp_process_1.log"]
+    assert "rank 1 of 2: done" in (run_dir / "train_ddp_process_1.log").read_text()
+    assert (run_dir / ".hydra" / "config.yaml").is_file()
+    last = run_dir / "checkpoints" / "last.ckpt"
+    assert (last / "meta.pt").is_file() and len(list(last.glob("*.distcp"))) == 2
+    metrics = (run_dir / "csv" / "metrics.csv").read_text()
+    assert "train/loss" in metrics.splitlines()[0] and "val/ppl" in metrics.splitlines()[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # nothing written elsewhere

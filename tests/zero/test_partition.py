@@ -1,0 +1,60 @@
+"""The pure ZeRO partition math, without processes."""
+
+import pytest
+
+from lightning_zero.zero.partition import flat_layout, shard_ranges
+
+
+@pytest.mark.parametrize(("numel", "world_size"), [(10, 2), (10, 3), (7, 4), (1, 3), (0, 2), (12, 1)])
+def test_shards_are_contiguous_equal_and_cover_the_padded_buffer(numel, world_size):
+    ranges = shard_ranges(numel, world_size)
+    sizes = {end - start for start, end in ranges.values()}
+    assert len(sizes) == 1  # element-balanced: every shard has the same size
+    assert ranges[0][0] == 0
+    for r in range(1, world_size):
+        assert ranges[r][0] == ranges[r - 1][1]
+    padded = ranges[world_size - 1][1]
+    assert padded >= numel and padded - numel < world_size and padded % world_size == 0
+
+
+def test_uneven_parameters_are_split_across_shard_boundaries():
+    layout = flat_layout([5, 1, 4], world_size=3)  # 10 elements -> padded 12, shards of 4
+    assert layout.offsets == (0, 5, 6)
+    assert (layout.numel, layout.padded_numel, layout.shard_numel) == (10, 12, 4)
+    assert layout.param_pieces(0) == [(0, 0, 0, 4)]
+    assert layout.param_pieces(1) == [(0, 4, 0, 1), (1, 0, 1, 1), (2, 0, 2, 2)]
+    assert layout.param_pieces(2) == [(2, 2, 0, 2)]  # the last 2 elements of rank 2's shard are padding
+
+
+def test_pieces_cover_every_element_exactly_once():
+    numels = [3, 17, 1, 8, 30]
+    for world_size in (1, 2, 3, 4, 7):
+        layout = flat_layout(numels, world_size)
+        covered = [0] * len(numels)
+        for rank in range(world_size):
+            for index, in_param, in_shard, length in layout.param_pieces(rank):
+                assert in_shard >= 0 and in_shard + length <= layout.shard_numel
+                assert in_param + length <= numels[index]
+                covered[index] += length
+        assert covered == numels
+
+
+def test_a_rank_can_own_only_padding_or_nothing():
+    layout = flat_layout([2], world_size=4)  # shards of 1 element: ranks 2 and 3 hold padding only
+    assert [layout.param_pieces(r) for r in range(4)] == [[(0, 0, 0, 1)], [(0, 1, 0, 1)], [], []]
+    empty = flat_layout([], world_size=3)
+    assert empty.padded_numel == 0 and empty.param_pieces(1) == []
+
+
+def test_owned_part_of_a_flat_range():
+    layout = flat_layout([10], world_size=2)  # shards [0, 5) and [5, 10)
+    assert layout.owned(0, 3, 8) == (3, 5)
+    assert layout.owned(1, 3, 8) == (5, 8)
+    lo, hi = layout.owned(1, 0, 4)
+    assert lo == hi  # nothing owned
+
+
+@pytest.mark.parametrize(("numel", "world_size", "message"), [(5, 0, "world_size=0 is invalid"), (-1, 2, "numel=-1")])
+def test_bad_arguments_name_the_number(numel, world_size, message):
+    with pytest.raises(ValueError, match=message):
+        shard_ranges(numel, world_size)
