@@ -1,14 +1,17 @@
 """lightning_zero: data-parallel and ZeRO strategies for PyTorch Lightning, written on torch.distributed collectives.
 
-Importing this package registers the strategy names with Lightning, so ``Trainer(strategy="ddp_scratch")`` works.
+Importing this package registers the strategy names with Lightning, so ``Trainer(strategy="ddp_scratch")`` and
+``Fabric(strategy="ddp_scratch")`` work (the Fabric classes live in :mod:`lightning_zero.fabric`).
 Lightning has no entry point for strategies and its Trainer snapshots the registry when it is built, so the import
 must happen before ``Trainer(...)``. Hydra configs that name ``_target_: lightning_zero....`` import it for you.
 """
 
 from typing import Any
 
+from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_zero import fabric
 from lightning_zero.strategies import RobustDDPStrategy, ScratchDDPStrategy, ScratchParallelStrategy, ZeroStrategy
 from lightning_zero.strategies.grad_norm import grad_norm
 
@@ -17,6 +20,8 @@ __version__ = "0.1.0.dev0"
 ScratchDDPStrategy.register_strategies(StrategyRegistry)
 RobustDDPStrategy.register_strategies(StrategyRegistry)
 ZeroStrategy.register_strategies(StrategyRegistry)
+fabric.ScratchDDPStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
+fabric.ZeroStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
 
 __all__ = [
     "RobustDDPStrategy",

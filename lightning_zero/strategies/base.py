@@ -34,12 +34,10 @@ Settings are validated when the strategy is built and again when the Trainer att
 
 from __future__ import annotations
 
-import atexit
 import logging
 from collections.abc import Generator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
-from functools import partial
 from typing import Any
 
 import lightning.pytorch as pl
@@ -47,82 +45,30 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.strategies import _StrategyRegistry
-from lightning.fabric.utilities.distributed import _init_dist_connection
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.layer_sync import LayerSync, TorchSyncBatchNorm
-from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
-from lightning.pytorch.utilities.warnings import PossibleUserWarning
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from typing_extensions import override
 
 from lightning_zero.comm import collectives as comm
 from lightning_zero.training import activation_checkpointing
+from lightning_zero.training.distributed import (
+    DistributedPlumbing,
+    broadcast_module_states,
+)
 from lightning_zero.training.memory import ModelStateBytes, model_state_bytes
 from lightning_zero.training.precision import (
     DEFAULT,
     PrecisionPolicy,
-    ShardedGradScaler,
-    cast_buffers,
-    cast_floats,
-    parse_dtype,
-    resolve_policy,
-    restore_buffers,
-    unified_precision,
 )
 from lightning_zero.training.sync_batchnorm import ScratchSyncBatchNorm
 
 log = logging.getLogger(__name__)
-
-START_METHODS = ("popen", "spawn", "fork", "forkserver")
-BACKENDS = ("gloo", "nccl", "mpi", "ucc")
-
-
-def broadcast_module_states(module: Any, src: int = 0, tag: str = "sync_states", buffers_only: bool = False) -> None:
-    """Make every rank's parameters and buffers equal to rank ``src``'s (tied tensors are sent once)."""
-    tensors = [] if buffers_only else list(module.parameters())
-    tensors += list(module.buffers())
-    for tensor in tensors:
-        comm.broadcast(tensor.data, src, tag=tag)
-
-
-def check_flag(name: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise ValueError(f"{name}={value!r} is invalid: expected True or False")
-
-
-_exit_handler_registered = False
-
-
-def _destroy_process_group_at_exit() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-
-
-def destroy_process_group_at_exit() -> None:
-    """Register (once per process) the ``atexit`` handler that destroys a process group still alive at exit."""
-    global _exit_handler_registered
-    if not _exit_handler_registered:
-        atexit.register(_destroy_process_group_at_exit)
-        _exit_handler_registered = True
-
-
-def _reduce_op_name(reduce_op: Any) -> str:
-    """Lightning passes ``"mean"``/``"sum"``/... strings or ``torch.distributed.ReduceOp`` members."""
-    if reduce_op is None:
-        return "sum"
-    if isinstance(reduce_op, str):
-        return "avg" if reduce_op.lower() == "mean" else reduce_op.lower()
-    for name in ("sum", "avg", "max", "min", "product"):
-        if reduce_op == getattr(dist.ReduceOp, name.upper()):
-            return name
-    raise ValueError(f"reduce_op={reduce_op!r} is invalid: expected 'mean', 'sum', 'max', 'min' or a ReduceOp")
 
 
 class SpawnLauncher(_MultiProcessingLauncher):
@@ -142,7 +88,7 @@ class SpawnLauncher(_MultiProcessingLauncher):
                 dist.destroy_process_group()
 
 
-class ScratchParallelStrategy(ParallelStrategy):
+class ScratchParallelStrategy(DistributedPlumbing, ParallelStrategy):
     """Multi-process, one-device-per-process strategy base: launching, process group and collectives.
 
     Args:
@@ -172,7 +118,6 @@ class ScratchParallelStrategy(ParallelStrategy):
     """
 
     strategy_name = "scratch"
-    shards_parameters = False  # ZeRO: param_dtype defaults to the low-precision dtype under "-mixed"
 
     def __init__(
         self,
@@ -192,18 +137,6 @@ class ScratchParallelStrategy(ParallelStrategy):
         cast_module: bool = False,
         activation_checkpointing_policy: set[type] | None = None,
     ) -> None:
-        check_flag("find_unused_parameters", find_unused_parameters)
-        check_flag("broadcast_buffers", broadcast_buffers)
-        check_flag("master_weights", master_weights)
-        check_flag("cast_module", cast_module)
-        self.activation_checkpointing_policy = activation_checkpointing.check_policy(activation_checkpointing_policy)
-        self._checkpointed: list[torch.nn.Module] = []
-        self._precision_settings = {
-            "param_dtype": parse_dtype("param_dtype", param_dtype),
-            "reduce_dtype": parse_dtype("reduce_dtype", reduce_dtype),
-            "master_weights": master_weights,
-            "cast_module": cast_module,
-        }
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -211,84 +144,33 @@ class ScratchParallelStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        if process_group_backend is not None and process_group_backend not in BACKENDS:
-            raise ValueError(
-                f"process_group_backend={process_group_backend!r} is invalid: expected one of {BACKENDS} or None"
-                " (gloo on CPU, nccl on CUDA)"
-            )
-        if start_method not in START_METHODS:
-            raise ValueError(f"start_method={start_method!r} is invalid: expected one of {START_METHODS}")
-        if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
-            timeout = timedelta(seconds=timeout)
-        if timeout is not None and (not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0):
-            raise ValueError(f"timeout={timeout!r} is invalid: expected a positive timedelta or number of seconds")
-        self._process_group_backend = process_group_backend
-        self._timeout = timeout
-        self._start_method = start_method
-        self._num_nodes = 1
-        self.find_unused_parameters = find_unused_parameters
-        self.broadcast_buffers = broadcast_buffers
+        self._init_settings(
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+            find_unused_parameters=find_unused_parameters,
+            broadcast_buffers=broadcast_buffers,
+            param_dtype=param_dtype,
+            reduce_dtype=reduce_dtype,
+            master_weights=master_weights,
+            cast_module=cast_module,
+            activation_checkpointing_policy=activation_checkpointing_policy,
+        )
+        self._checkpointed: list[torch.nn.Module] = []
         self._backward_sync_blocked = False
         self._forward_param_sync = True  # [Note: buffer broadcast]
         self._trainable_ids: set[int] | None = None  # the parameters the gradient engine was set up for
         self._policy: PrecisionPolicy | None = None
-        self._cast_buffers: dict[str, torch.dtype] = {}  # buffers cast by the policy, with their own dtypes
 
-    # ------------------------------------------------------------ topology
     @property
     def is_distributed(self) -> bool:
         """Always ``True``: makes Lightning inject a ``DistributedSampler`` and sync logged values."""
         return True
 
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
-
-    @property
-    def process_group_backend(self) -> str | None:
-        return self._process_group_backend
-
-    def set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
-
-    # ------------------------------------------------------------ launch + process group
-    def _resolved_backend(self) -> str:
-        if self._process_group_backend is not None:
-            return self._process_group_backend
-        return "nccl" if self.root_device.type == "cuda" else "gloo"
-
     @override
     def _configure_launcher(self) -> None:
         # Called while the Trainer is built, before any process starts: the last moment to reject a bad combination.
-        if self.parallel_devices and self._process_group_backend == "nccl" and self.root_device.type != "cuda":
-            raise ValueError(
-                f"process_group_backend='nccl' needs CUDA devices, but this run uses {self.root_device.type!r}:"
-                " use 'gloo' (or leave it unset) on CPU"
-            )
-        self._policy = None  # the Trainer may have set another precision plugin: a bad setting fails here
-        self.precision_policy  # noqa: B018
+        self._check_before_launch()
         assert self.cluster_environment is not None
         if self._start_method == "popen":
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
@@ -299,14 +181,7 @@ class ScratchParallelStrategy(ParallelStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         reset_seed()
-        self.set_world_ranks()
-        self._process_group_backend = self._resolved_backend()
-        assert self.cluster_environment is not None
-        device_id = self.root_device if self.root_device.type == "cuda" else None
-        _init_dist_connection(
-            self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
-        )
-        destroy_process_group_at_exit()
+        self._init_process_group()
 
     @override
     def model_to_device(self) -> None:
@@ -324,40 +199,15 @@ class ScratchParallelStrategy(ParallelStrategy):
         self._apply_activation_checkpointing(trainer)
 
     # ------------------------------------------------------------ precision
-    @property
-    def precision_policy(self) -> PrecisionPolicy:
-        """The dtypes of this run, from the strategy's settings and the Trainer's ``precision``."""
-        if self._policy is None:
-            precision = unified_precision(getattr(self.precision_plugin, "precision", "32-true"))
-            self._policy = resolve_policy(precision, **self._precision_settings, sharded=self.shards_parameters)
-        return self._policy
+    @override
+    def _lightning_precision(self) -> str:
+        return getattr(self.precision_plugin, "precision", "32-true")
 
     def _setup_precision(self, trainer: pl.Trainer, cast_module: bool) -> None:
-        """At setup: the loss scaler made shard-aware; with ``cast_module`` (the engine casts the parameters) the
-        float buffers and the float inputs of every step cast too."""
-        plugin, policy = self.precision_plugin, self.precision_policy
-        rounds = isinstance(plugin, MixedPrecision) and policy.param_dtype is not None and not policy.casts_module
-        if rounds and self._precision_settings["param_dtype"] == DEFAULT:
-            rank_zero_warn(
-                f"{self.strategy_name} with precision={plugin.precision!r} communicates the parameters in"
-                f" param_dtype={policy.param_dtype} and the module computes with their rounded values, so the weights"
-                " differ from Lightning's ddp by that rounding (fp32 master weights are updated). Pass"
-                " param_dtype=None for ddp's arithmetic, or param_dtype='bf16'/'fp16' to silence this.",
-                category=PossibleUserWarning,
-            )
-        scaler = plugin.scaler if isinstance(plugin, MixedPrecision) else None
-        if scaler is not None and not isinstance(scaler, ShardedGradScaler):
-            plugin.scaler = ShardedGradScaler.like(scaler)
-        if cast_module and policy.casts_module and self.lightning_module is not None:
-            self._cast_buffers.update(cast_buffers(self.lightning_module, policy.cast_dtype))
-            plugin.convert_input = partial(cast_floats, dtype=policy.cast_dtype)  # type: ignore[method-assign]
+        self._setup_precision_of(self.precision_plugin, self.lightning_module, cast_module)
 
     def _teardown_precision(self) -> None:
-        """Undo :meth:`_setup_precision`'s casts (the buffers get their own dtype back)."""
-        self.precision_plugin.__dict__.pop("convert_input", None)
-        if self._cast_buffers and self.lightning_module is not None:
-            restore_buffers(self.lightning_module, self._cast_buffers)
-        self._cast_buffers = {}
+        self._teardown_precision_of(self.precision_plugin, self.lightning_module)
 
     # ------------------------------------------------------------ buffers and layer sync
     @property
@@ -468,38 +318,10 @@ class ScratchParallelStrategy(ParallelStrategy):
         return nullcontext()
 
     # ------------------------------------------------------------ Lightning's collectives
-    def _device_ids(self) -> list[int] | None:
-        return None if self.root_device.type == "cpu" else [self.root_device.index]
-
-    @override
-    def barrier(self, name: str | None = None) -> None:
-        if comm.is_initialized():
-            comm.barrier(device_ids=self._device_ids(), tag=name or "barrier")
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not comm.is_initialized():
-            return obj
-        return comm.broadcast_object(obj, src, tag="strategy")
-
     @override
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
         """Reduce ``tensor`` in place across processes (``"mean"`` by default); non-tensors pass through."""
-        if not isinstance(tensor, Tensor) or not comm.is_initialized():
-            return tensor
-        op = _reduce_op_name(reduce_op)
-        if op == "avg" and not tensor.is_floating_point():
-            comm.all_reduce(tensor, "sum", group=group, tag="reduce")
-            return tensor.copy_(tensor / comm.world_size(group))
-        comm.all_reduce(tensor, op, group=group, tag="reduce")
-        return tensor
-
-    @override
-    def all_gather(self, tensor: Tensor, group: Any = None, sync_grads: bool = False) -> Tensor:
-        """Stack ``tensor`` from every process into ``(world_size, *shape)``."""
-        if not comm.is_initialized():
-            return tensor
-        return comm.all_gather_stack(tensor, group=group, sync_grads=sync_grads, tag="strategy")
+        return self.all_reduce(tensor, group, reduce_op)
 
     # ------------------------------------------------------------ memory
     @property
@@ -516,13 +338,3 @@ class ScratchParallelStrategy(ParallelStrategy):
         """This rank's model-state bytes now (:func:`lightning_zero.training.memory.model_state_bytes`): parameters,
         their gradients, the optimizers' state and :attr:`strategy_buffers`, each storage counted once."""
         return model_state_bytes(self.model_state_params(), self.optimizers, self.strategy_buffers)
-
-    # ------------------------------------------------------------ registration
-    @classmethod
-    def _register(cls, registry: _StrategyRegistry, name: str, description: str, **init_params: Any) -> None:
-        """Register ``name``; re-importing lightning_zero (or reloading it) replaces our own entry, never another's."""
-        if name in registry:
-            owner = registry[name]["strategy"]
-            if not owner.__module__.startswith("lightning_zero"):
-                raise ValueError(f"strategy name {name!r} is already registered by {owner.__module__}.{owner.__name__}")
-        registry.register(name, cls, description=description, override=True, **init_params)

@@ -28,7 +28,6 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import ParallelStrategy
@@ -42,6 +41,7 @@ from lightning_zero.robust.aggregation import AggregationResult, RobustAggregato
 from lightning_zero.robust.attacks import flip_labels
 from lightning_zero.robust.workers import WorkerGradients, split_batch
 from lightning_zero.strategies.base import ScratchParallelStrategy
+from lightning_zero.training.distributed import ROBUST_NAMES
 
 CHECKPOINT_KEY = "robust_aggregation"
 """The checkpoint entry holding the worker momentum (all ``n`` rows), the rule's centre and the generator state."""
@@ -97,6 +97,7 @@ class RobustDDPStrategy(ScratchParallelStrategy):
     """
 
     strategy_name = "robust_ddp_scratch"
+    registered_names = ROBUST_NAMES
 
     def __init__(
         self,
@@ -303,14 +304,3 @@ class RobustDDPStrategy(ScratchParallelStrategy):
             self._grads.remove()
         self._revert_layer_sync()
         super().teardown()
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        cls._register(strategy_registry, "robust_ddp_scratch", "Byzantine-robust data parallelism, popen launcher")
-        cls._register(
-            strategy_registry,
-            "robust_ddp_scratch_spawn",
-            "Byzantine-robust data parallelism, spawn launcher",
-            start_method="spawn",
-        )

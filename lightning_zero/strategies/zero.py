@@ -36,7 +36,6 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import TorchCheckpointIO
-from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.callbacks import BaseFinetuning
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
@@ -46,24 +45,20 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero.strategies.base import ScratchParallelStrategy, SpawnLauncher
-from lightning_zero.training.module_classes import module_classes
-from lightning_zero.training.precision import DEFAULT, parse_dtype
+from lightning_zero.training.distributed import ZERO_NAMES
 from lightning_zero.zero import stage12_state as so_state
 from lightning_zero.zero.checkpoint import is_sharded_checkpoint, load_sharded, read_metadata, save_sharded
 from lightning_zero.zero.grad_norm import shard_grad_norms
+from lightning_zero.zero.settings import ZeroSettings, build_stage3, build_stage12
 from lightning_zero.zero.stage3 import state as sp_state
 from lightning_zero.zero.stage3.engine import ShardedParams
 from lightning_zero.zero.stage3.materialize import (
-    MODEL_INIT_MODES,
     ModuleSnapshot,
     fits_in_memory,
     meta_nbytes,
     unreplayed_init,
 )
-from lightning_zero.zero.stage12 import GRAD_SYNC_MODES, ShardedOptimizer
-
-STAGES = (1, 2, 3)
-STATE_DICT_TYPES = ("sharded", "full")
+from lightning_zero.zero.stage12 import ShardedOptimizer
 
 
 class _FullWeightsLauncher(SpawnLauncher):
@@ -108,6 +103,7 @@ class ZeroStrategy(ScratchParallelStrategy):
     """
 
     shards_parameters = True
+    registered_names = ZERO_NAMES
 
     def __init__(
         self,
@@ -122,43 +118,20 @@ class ZeroStrategy(ScratchParallelStrategy):
         grad_accum_dtype: str | torch.dtype | None = None,
         **kwargs: Any,
     ) -> None:
-        if stage not in STAGES:
-            raise ValueError(f"stage={stage!r} is invalid: expected 1, 2 or 3")
-        stage3_only = {"auto_wrap_policy": auto_wrap_policy, "min_num_params": min_num_params}
-        stage3_only["reshard_after_forward"] = None if reshard_after_forward is True else reshard_after_forward
-        stage3_only["model_init"] = None if model_init == "auto" else model_init
-        accum_dtype = parse_dtype("grad_accum_dtype", grad_accum_dtype)
-        accum_dtype = None if accum_dtype is DEFAULT else accum_dtype
-        if stage == 3 and accum_dtype is not None:
-            raise ValueError(
-                f"grad_accum_dtype={grad_accum_dtype!r} applies to stages 1 and 2 only: stage=3 accumulates in its"
-                " fp32 shard"
-            )
-        if model_init not in MODEL_INIT_MODES:
-            raise ValueError(f"model_init={model_init!r} is invalid: expected one of {MODEL_INIT_MODES}")
-        misplaced = [k for k, v in stage3_only.items() if v is not None]
-        if stage != 3 and misplaced:
-            raise ValueError(f"{', '.join(misplaced)} apply to stage=3 only: got stage={stage}")
-        if auto_wrap_policy is not None and min_num_params is not None:
-            raise ValueError("auto_wrap_policy and min_num_params are exclusive: pass one of them (or neither)")
-        if min_num_params is not None and (type(min_num_params) is not int or min_num_params < 1):
-            raise ValueError(f"min_num_params={min_num_params!r} is invalid: expected an integer >= 1")
-        auto_wrap_policy = module_classes("auto_wrap_policy", auto_wrap_policy)
-        if grad_sync is not None and grad_sync not in GRAD_SYNC_MODES:
-            raise ValueError(f"grad_sync={grad_sync!r} is invalid: expected one of {GRAD_SYNC_MODES} or None")
-        if isinstance(bucket_size_mb, bool) or not isinstance(bucket_size_mb, (int, float)) or bucket_size_mb <= 0:
-            raise ValueError(f"bucket_size_mb={bucket_size_mb!r} is invalid: expected a number of MiB > 0")
-        if state_dict_type not in STATE_DICT_TYPES:
-            raise ValueError(f"state_dict_type={state_dict_type!r} is invalid: expected one of {STATE_DICT_TYPES}")
+        settings = ZeroSettings.check(
+            stage=stage,
+            grad_sync=grad_sync,
+            bucket_size_mb=bucket_size_mb,
+            state_dict_type=state_dict_type,
+            auto_wrap_policy=auto_wrap_policy,
+            min_num_params=min_num_params,
+            reshard_after_forward=reshard_after_forward,
+            model_init=model_init,
+            grad_accum_dtype=grad_accum_dtype,
+        )
         super().__init__(**kwargs)
-        self.stage = stage
-        self.grad_sync = grad_sync or ("boundary" if stage == 1 else "microbatch")
-        self.bucket_size_mb = bucket_size_mb
-        self.state_dict_type = state_dict_type
-        self.auto_wrap_policy, self.min_num_params = auto_wrap_policy, min_num_params
-        self.reshard_after_forward = reshard_after_forward
-        self.model_init = model_init
-        self.grad_accum_dtype = accum_dtype
+        self.settings = settings
+        settings.apply_to(self)
         self._engine: ShardedOptimizer | None = None
         self._params: ShardedParams | None = None
         self._init_rng_state: dict[str, torch.Tensor] | None = None
@@ -241,15 +214,12 @@ class ZeroStrategy(ScratchParallelStrategy):
             self.setup_optimizers(trainer)
             self._check_one_optimizer()
             _optimizers_to_device(self.optimizers, self.root_device)
-            self._engine = ShardedOptimizer(
+            self._engine = build_stage12(
+                self.settings,
+                self.precision_policy,
                 self.model,
                 self.optimizers[0],
-                stage=self.stage,
-                grad_sync=self.grad_sync,
-                bucket_cap_bytes=int(self.bucket_size_mb * 2**20),
                 find_unused_parameters=self.find_unused_parameters,
-                accum_dtype=self.grad_accum_dtype,
-                **self._engine_dtypes(),
             )
             self._record_trainable()
             # [Note: global-norm clipping] Lightning's Precision.clip_grad_by_norm takes the norm of the optimizer's
@@ -271,17 +241,14 @@ class ZeroStrategy(ScratchParallelStrategy):
                 f" {self.world_size}; save a checkpoint and load it into a fresh model instead"
             )
         if self._params is None:
-            self._params = ShardedParams(
+            self._params = build_stage3(
+                self.settings,
+                self.precision_policy,
                 self.model,
-                auto_wrap_policy=self.auto_wrap_policy,
-                min_num_params=self.min_num_params,
-                reshard_after_forward=self.reshard_after_forward,
-                grad_sync=self.grad_sync,
                 device=self.root_device,
-                rng_state=self._init_rng_state,
                 timeout=self._timeout,
                 find_unused_parameters=self.find_unused_parameters,
-                **self._engine_dtypes(),
+                rng_state=self._init_rng_state,
             )
         if trainer.state.fn == TrainerFn.FITTING:
             self._check_no_finetuning(trainer)
@@ -293,17 +260,6 @@ class ZeroStrategy(ScratchParallelStrategy):
             self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm  # type: ignore[method-assign]
         self._setup_precision(trainer, cast_module=True)  # the engine computes in param_dtype outside fits too
         self.setup_precision_plugin()
-
-    def _engine_dtypes(self) -> dict[str, torch.dtype | None]:
-        """The precision policy as both engines take it ([Note: precision policy] in
-        lightning_zero/training/precision.py)."""
-        policy = self.precision_policy
-        return {
-            "cast_dtype": policy.cast_dtype,
-            "gather_dtype": policy.param_dtype,
-            "master_dtype": policy.master_dtype,
-            "reduce_dtype": policy.reduce_dtype,
-        }
 
     def _check_no_finetuning(self, trainer: pl.Trainer) -> None:
         finetuning = [type(c).__name__ for c in trainer.callbacks if isinstance(c, BaseFinetuning)]
@@ -341,10 +297,7 @@ class ZeroStrategy(ScratchParallelStrategy):
     @override
     def _engine_no_sync(self) -> AbstractContextManager:
         """Non-boundary micro-batches: no communication with ``grad_sync="boundary"``; reduce anyway otherwise."""
-        engine = self.engine
-        if engine is None or self.grad_sync == "microbatch":
-            return nullcontext()
-        return engine.no_sync() if isinstance(engine, ShardedParams) else engine.reducer.no_sync()
+        return self.settings.no_sync(self.engine)
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
@@ -522,16 +475,3 @@ class ZeroStrategy(ScratchParallelStrategy):
         if self.model_init == "meta":
             return False
         return self.model_init == "full" or fits_in_memory(nbytes, device, copies)
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        for stage in STAGES:
-            cls._register(strategy_registry, f"zero{stage}_scratch", f"From-scratch ZeRO stage {stage}", stage=stage)
-            cls._register(
-                strategy_registry,
-                f"zero{stage}_scratch_spawn",
-                f"From-scratch ZeRO stage {stage}, spawn launcher",
-                stage=stage,
-                start_method="spawn",
-            )

@@ -17,11 +17,11 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_zero.robust.aggregation import RobustAggregator
-from lightning_zero.strategies.base import START_METHODS
 from lightning_zero.strategies.robust import check_precision_settings, check_workers
-from lightning_zero.strategies.zero import STAGES, STATE_DICT_TYPES
+from lightning_zero.training.distributed import START_METHODS
 from lightning_zero.training.module_classes import module_classes
 from lightning_zero.training.precision import parse_dtype, resolve_policy, unified_precision
+from lightning_zero.zero.settings import STAGES, STATE_DICT_TYPES
 from lightning_zero.zero.stage3.materialize import MODEL_INIT_MODES
 from lightning_zero.zero.stage12 import GRAD_SYNC_MODES
 

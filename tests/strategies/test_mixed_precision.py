@@ -92,7 +92,8 @@ def _first_grad(strategy, module) -> torch.Tensor:
     if engine is not None:
         return next(s.grad for s in engine.shard_params if s.grad is not None and s.grad.numel())
     p = next(iter(module.parameters()))
-    grad = strategy.reducer.grad_of(p) if getattr(strategy, "_masters", {}) else p.grad
+    reducer = getattr(strategy, "reducer", None)
+    grad = reducer.grad_of(p) if reducer is not None else p.grad
     return grad.view(-1)
 
 
@@ -127,7 +128,7 @@ def _masters(strategy, module) -> dict[str, torch.Tensor]:
             out.update({n: full.narrow(0, o, p.numel()) for n, p, o in zip(g.names, g.params, g.layout.offsets)})
     else:
         names = {id(p): n for n, p in module.named_parameters()}
-        pairs = [pair for masters in getattr(strategy, "_masters", {}).values() for pair in masters.pairs]
+        pairs = getattr(getattr(strategy, "_engine", None), "master_pairs", [])
         out = {names[id(p)]: m for p, m in pairs} or dict(module.named_parameters())
     return {
         k.removeprefix("net."): v.detach().float().clone().view(module.get_parameter(k).shape) for k, v in out.items()

@@ -1,0 +1,133 @@
+"""The data-parallel engine of ``ddp_scratch``, the same object under the Trainer and under Fabric.
+
+Runbook::
+
+    engine = DataParallelEngine(module, policy, bucket_cap_bytes=25 * 2**20)  # casts per the policy, hooks gradients
+    engine.attach_optimizers([optimizer])    # fp32 master copies where the policy keeps them
+    with engine.reducer.no_sync():
+        loss.backward()                      # a non-boundary micro-batch: accumulates, communicates nothing
+    loss.backward()                          # buckets all-reduced while backward runs
+    engine.before_step(optimizer)            # the masters' .grad bound to the accumulated gradients
+    optimizer.step()
+    engine.after_step(optimizer)             # the updated masters rounded into the module
+
+The precision policy ([Note: precision policy] in ``lightning_zero/training/precision.py``) decides the rest: under
+``-true`` (or ``cast_module=True``) the module's parameters are low precision, the optimizer steps fp32 master copies
+(:class:`~lightning_zero.training.precision.MasterWeights`) and gradients accumulate in fp32 buckets (the reducer's
+accumulation buckets); otherwise the parameters are their own masters and ``p.grad`` is a view of its bucket.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from lightning_zero.dp.reducer import GradientReducer
+from lightning_zero.training.precision import MasterWeights, PrecisionPolicy
+
+
+class DataParallelEngine:
+    """Gradient averaging (and master weights) for ``module``; see the module docstring.
+
+    Args:
+        module: the model, on its device.
+        policy: the run's precision policy.
+        bucket_cap_bytes: cap of one gradient bucket.
+        find_unused_parameters: see :class:`~lightning_zero.dp.reducer.GradientReducer`.
+    """
+
+    def __init__(
+        self, module: nn.Module, policy: PrecisionPolicy, *, bucket_cap_bytes: int, find_unused_parameters: bool
+    ) -> None:
+        self.module, self.policy = module, policy
+        self.bucket_cap_bytes, self.find_unused_parameters = bucket_cap_bytes, find_unused_parameters
+        self._originals = self._cast_params()
+        low = {p.dtype for p in module.parameters() if p.requires_grad and policy.master(p.dtype) is not None}
+        self.master_dtype = policy.master_dtype if low else None
+        self.reducer: GradientReducer | None = None
+        self.rebuild_reducer()
+        self._masters: dict[int, MasterWeights] = {}  # id(optimizer) -> its master copies
+
+    def _cast_params(self) -> dict[int, Tensor]:
+        """Cast the parameters to the policy's ``cast_dtype``; return their values from before (for the masters)."""
+        originals = {}
+        dtype = self.policy.cast_dtype
+        if dtype is not None:
+            for p in self.module.parameters():
+                if p.is_floating_point() and p.dtype != dtype:
+                    originals[id(p)] = p.detach().clone()
+                    p.data = p.data.to(dtype)
+        return originals
+
+    def rebuild_reducer(self) -> None:
+        """Buckets over the parameters trainable now (at construction, and when the trainable set changes)."""
+        old = self.reducer
+        self.reducer = GradientReducer.for_module(
+            self.module,
+            bucket_cap_bytes=self.bucket_cap_bytes,
+            find_unused_parameters=self.find_unused_parameters,
+            grad_dtype=self.master_dtype,  # masters: gradients accumulate in their dtype
+            reduce_dtype=self.policy.reduce_dtype,
+        )
+        if old is not None:  # rebuilt inside a run, maybe inside a no_sync window
+            old.remove()
+            self.reducer.require_backward_grad_sync = old.require_backward_grad_sync
+
+    def attach_optimizers(self, optimizers: list[Optimizer]) -> None:
+        """Rebuild each optimizer's param groups over fp32 masters when the policy keeps them (no state yet)."""
+        if self.master_dtype is not None:
+            self._masters = {id(o): MasterWeights(o, self.master_dtype, self._originals) for o in optimizers}
+        self._originals = {}
+
+    def masters_of(self, optimizer: Any) -> MasterWeights | None:
+        """The master copies stepped by ``optimizer`` (or by the optimizer it wraps), if any."""
+        return self._masters.get(id(getattr(optimizer, "_optimizer", optimizer)))
+
+    @property
+    def master_pairs(self) -> list[tuple[Tensor, Tensor]]:
+        """Every (parameter, its fp32 master) pair, when master weights are kept."""
+        return [pair for masters in self._masters.values() for pair in masters.pairs]
+
+    def before_step(self, optimizer: Any) -> None:
+        """After the window's last backward: the masters' gradients are the accumulated, averaged ones."""
+        masters = self.masters_of(optimizer)
+        if masters is not None and self.reducer is not None:
+            masters.bind_grads(self.reducer.grad_of)
+
+    def after_step(self, optimizer: Any) -> None:
+        """After the optimizer step: the updated masters rounded into the module; the window ends."""
+        masters = self.masters_of(optimizer)
+        if masters is not None and self.reducer is not None:
+            masters.after_step()
+            self.reducer.end_window()
+
+    def add_masters_to_state(self, optimizer: Any, state: dict[str, Any]) -> None:
+        """``optimizer.state_dict()`` with each parameter's fp32 ``"master"`` when master weights are kept."""
+        masters = self.masters_of(optimizer)
+        if masters is not None:
+            masters.add_to_state_dict(state)
+
+    def load_masters_from_state(self, optimizer: Any, state: dict[str, Any]) -> None:
+        """Pop the ``"master"`` entries of a loaded optimizer state: into the masters, or (a run without masters)
+        into the parameters, whose exact values they are."""
+        masters = self.masters_of(optimizer)
+        if masters is not None:
+            masters.load_from_state_dict(state)
+            return
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        for number, p in enumerate(params):
+            master = state["state"].get(number, {}).pop("master", None)
+            if master is not None:
+                p.data.copy_(master)
+
+    def remove(self) -> None:
+        """The end of a run: hooks removed; a cast module gets the master values back in their dtype. The masters
+        stay, as ZeRO's shards do: a checkpoint saved after the run carries them."""
+        if self.reducer is not None:
+            self.reducer.remove()
+            self.reducer = None
+        if self.policy.casts_module:
+            for masters in self._masters.values():
+                masters.restore_dtype()

@@ -1,0 +1,175 @@
+"""The base of every lightning_zero Fabric strategy: ``fabric.launch()``, ranks, the process group, collectives and
+the precision policy, on the plumbing the Trainer strategies use (``lightning_zero/training/distributed.py``).
+
+A subclass builds its gradient engine in ``setup_module_and_optimizers`` and drives it from :meth:`optimizer_step`
+and the clipping hooks: :meth:`ScratchFabricStrategy._before_step` runs once per optimizer step, before the first of
+``fabric.clip_gradients`` / ``optimizer.step()``, so unscaling and clipping see the gradients the optimizer will use.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any
+
+import torch
+from lightning.fabric.accelerators import Accelerator
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
+from lightning.fabric.strategies import ParallelStrategy
+from lightning.fabric.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.fabric.strategies.strategy import _BackwardSyncControl
+from torch import nn
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_zero.training import activation_checkpointing
+from lightning_zero.training.distributed import DistributedPlumbing, broadcast_module_states
+
+
+class _EngineNoSync(_BackwardSyncControl):
+    """``fabric.no_backward_sync(model, enabled)``: what the strategy's engine does on a non-boundary micro-batch."""
+
+    def __init__(self, strategy: ScratchFabricStrategy) -> None:
+        self.strategy = strategy
+
+    @override
+    def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
+        return self.strategy._no_backward_sync() if enabled else nullcontext()
+
+
+class ScratchFabricStrategy(DistributedPlumbing, ParallelStrategy):
+    """Multi-process, one-device-per-process Fabric strategy base.
+
+    Args:
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision: as in Fabric's
+            ``DDPStrategy``; Fabric fills them in.
+        **settings: ``process_group_backend``, ``timeout``, ``start_method``, ``find_unused_parameters``,
+            ``broadcast_buffers`` (rank 0's buffers broadcast before a forward whose previous forward ran with
+            gradients enabled outside ``no_backward_sync``, as torch DDP does), ``param_dtype``, ``reduce_dtype``,
+            ``master_weights``, ``cast_module``, ``activation_checkpointing_policy``: as for the Trainer strategies
+            (:class:`~lightning_zero.strategies.base.ScratchParallelStrategy`).
+    """
+
+    def __init__(
+        self,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision: Precision | None = None,
+        **settings: Any,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision=precision,
+        )
+        self._init_settings(**settings)
+        self._backward_sync_control = _EngineNoSync(self)
+        self._module: nn.Module | None = None  # the module set up, for the precision casts and buffer broadcast
+        self._checkpointed: list[nn.Module] = []  # modules whose forward activation checkpointing replaced
+        self._prepared = False  # _before_step ran for the current optimizer step
+        self._forward_param_sync = True  # torch DDP's require_forward_param_sync
+        self._backward_sync_blocked = False  # inside fabric.no_backward_sync(..., enabled=True)
+
+    @override
+    def _lightning_precision(self) -> str:
+        return getattr(self.precision, "precision", "32-true")
+
+    # ------------------------------------------------------------ launch + process group
+    @override
+    def _configure_launcher(self) -> None:
+        self._check_before_launch()
+        assert self.cluster_environment is not None
+        if self._start_method == "popen":
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self._init_process_group()
+
+    @override
+    def module_to_device(self, module: nn.Module) -> None:
+        module.to(self.root_device)
+
+    # ------------------------------------------------------------ module, buffers, precision
+    def _setup_replica(self, module: nn.Module) -> None:
+        """Rank 0's weights on every rank, torch DDP's buffer rule, the precision policy's casts and scaler, and
+        activation checkpointing (before any engine hooks the module)."""
+        broadcast_module_states(module)
+        self._module = module
+        if self.activation_checkpointing_policy:
+            self._checkpointed = activation_checkpointing.apply(module, self.activation_checkpointing_policy)
+        module.register_forward_pre_hook(self._broadcast_buffers)
+        module.register_forward_hook(self._after_forward)
+        self._setup_precision_of(self.precision, module, cast_module=True)
+
+    def _broadcast_buffers(self, module: nn.Module, args: Any) -> None:
+        if self.broadcast_buffers and self._forward_param_sync:
+            broadcast_module_states(module, tag="buffers", buffers_only=True)
+
+    def _after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._forward_param_sync = torch.is_grad_enabled() and not self._backward_sync_blocked
+
+    @contextmanager
+    def _no_backward_sync(self) -> Generator[None, None, None]:
+        self._backward_sync_blocked = True
+        try:
+            with self._engine_no_sync():
+                yield
+        finally:
+            self._backward_sync_blocked = False
+
+    def _engine_no_sync(self) -> AbstractContextManager:
+        """What the engine does on a non-boundary micro-batch (subclasses: skip communication)."""
+        return nullcontext()
+
+    # ------------------------------------------------------------ the optimizer step
+    def _before_step(self, optimizer: Optimizer) -> None:
+        """Once per optimizer step, after the last backward: the engine's gradients ready for the optimizer."""
+
+    def _after_step(self, optimizer: Optimizer) -> None:
+        """After the optimizer's update (or its skip by the loss scaler)."""
+
+    def _prepare(self, optimizer: Optimizer) -> None:
+        if not self._prepared:
+            self._before_step(optimizer)
+            self._prepared = True
+
+    @override
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        self._prepare(optimizer)
+        output = super().optimizer_step(optimizer, **kwargs)
+        self._after_step(optimizer)  # collective (ZeRO-1/2 gather the shards): not after an error
+        self._prepared = False
+        return output
+
+    @override
+    def clip_gradients_norm(
+        self,
+        module: nn.Module,
+        optimizer: Optimizer,
+        max_norm: float | int,
+        norm_type: float | int = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> torch.Tensor:
+        self._prepare(optimizer)
+        return super().clip_gradients_norm(module, optimizer, max_norm, norm_type, error_if_nonfinite)
+
+    @override
+    def clip_gradients_value(self, module: nn.Module, optimizer: Optimizer, clip_val: float | int) -> None:
+        self._prepare(optimizer)
+        return super().clip_gradients_value(module, optimizer, clip_val)
+
+    @override
+    def teardown(self) -> None:
+        self._teardown_precision_of(self.precision, self._module)
+        activation_checkpointing.revert(self._checkpointed)
+        self._checkpointed = []
+        super().teardown()

@@ -1,0 +1,160 @@
+"""The settings of a ZeRO strategy, checked once for both front ends, and the engines they build.
+
+The Trainer's ``ZeroStrategy`` (``lightning_zero/strategies/zero.py``) and Fabric's (``lightning_zero/fabric/zero.py``)
+take the same arguments; :meth:`ZeroSettings.check` raises one error naming the setting and the allowed values, and
+:func:`build_stage12` / :func:`build_stage3` construct the engine from them and the run's precision policy.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_zero.training.distributed import check_bucket_size
+from lightning_zero.training.module_classes import module_classes
+from lightning_zero.training.precision import DEFAULT, PrecisionPolicy, parse_dtype
+from lightning_zero.zero.stage3.engine import ShardedParams
+from lightning_zero.zero.stage3.materialize import MODEL_INIT_MODES
+from lightning_zero.zero.stage12 import GRAD_SYNC_MODES, ShardedOptimizer
+
+STAGES = (1, 2, 3)
+STATE_DICT_TYPES = ("sharded", "full")
+
+
+@dataclass(frozen=True)
+class ZeroSettings:
+    """What a ZeRO strategy was asked for (see ``ZeroStrategy``'s arguments); build with :meth:`check`."""
+
+    stage: int
+    grad_sync: str
+    bucket_size_mb: float
+    state_dict_type: str
+    auto_wrap_policy: set[type] | None
+    min_num_params: int | None
+    reshard_after_forward: bool
+    model_init: str
+    grad_accum_dtype: torch.dtype | None
+
+    @classmethod
+    def check(
+        cls,
+        stage: int = 2,
+        grad_sync: str | None = None,
+        bucket_size_mb: float = 25,
+        state_dict_type: str = "sharded",
+        auto_wrap_policy: Any = None,
+        min_num_params: int | None = None,
+        reshard_after_forward: bool = True,
+        model_init: str = "auto",
+        grad_accum_dtype: Any = None,
+    ) -> ZeroSettings:
+        if stage not in STAGES:
+            raise ValueError(f"stage={stage!r} is invalid: expected 1, 2 or 3")
+        stage3_only = {"auto_wrap_policy": auto_wrap_policy, "min_num_params": min_num_params}
+        stage3_only["reshard_after_forward"] = None if reshard_after_forward is True else reshard_after_forward
+        stage3_only["model_init"] = None if model_init == "auto" else model_init
+        accum_dtype = parse_dtype("grad_accum_dtype", grad_accum_dtype)
+        accum_dtype = None if accum_dtype is DEFAULT else accum_dtype
+        if stage == 3 and accum_dtype is not None:
+            raise ValueError(
+                f"grad_accum_dtype={grad_accum_dtype!r} applies to stages 1 and 2 only: stage=3 accumulates in its"
+                " fp32 shard"
+            )
+        if model_init not in MODEL_INIT_MODES:
+            raise ValueError(f"model_init={model_init!r} is invalid: expected one of {MODEL_INIT_MODES}")
+        misplaced = [k for k, v in stage3_only.items() if v is not None]
+        if stage != 3 and misplaced:
+            raise ValueError(f"{', '.join(misplaced)} apply to stage=3 only: got stage={stage}")
+        if auto_wrap_policy is not None and min_num_params is not None:
+            raise ValueError("auto_wrap_policy and min_num_params are exclusive: pass one of them (or neither)")
+        if min_num_params is not None and (type(min_num_params) is not int or min_num_params < 1):
+            raise ValueError(f"min_num_params={min_num_params!r} is invalid: expected an integer >= 1")
+        if grad_sync is not None and grad_sync not in GRAD_SYNC_MODES:
+            raise ValueError(f"grad_sync={grad_sync!r} is invalid: expected one of {GRAD_SYNC_MODES} or None")
+        check_bucket_size(bucket_size_mb)
+        if state_dict_type not in STATE_DICT_TYPES:
+            raise ValueError(f"state_dict_type={state_dict_type!r} is invalid: expected one of {STATE_DICT_TYPES}")
+        return cls(
+            stage=stage,
+            grad_sync=grad_sync or ("boundary" if stage == 1 else "microbatch"),
+            bucket_size_mb=bucket_size_mb,
+            state_dict_type=state_dict_type,
+            auto_wrap_policy=module_classes("auto_wrap_policy", auto_wrap_policy),
+            min_num_params=min_num_params,
+            reshard_after_forward=reshard_after_forward,
+            model_init=model_init,
+            grad_accum_dtype=accum_dtype,
+        )
+
+    def no_sync(self, engine: ShardedOptimizer | ShardedParams | None) -> AbstractContextManager:
+        """A non-boundary micro-batch: no communication with ``grad_sync="boundary"``; reduce anyway otherwise."""
+        if engine is None or self.grad_sync == "microbatch":
+            return nullcontext()
+        return engine.no_sync() if isinstance(engine, ShardedParams) else engine.reducer.no_sync()
+
+    def apply_to(self, strategy: Any) -> None:
+        """Set each setting as an attribute of ``strategy`` (``strategy.stage``, ``strategy.grad_sync``, ...)."""
+        for name, value in asdict(self).items():
+            setattr(strategy, name, value)
+
+
+def engine_dtypes(policy: PrecisionPolicy) -> dict[str, torch.dtype | None]:
+    """The precision policy as both engines take it ([Note: precision policy] in
+    ``lightning_zero/training/precision.py``)."""
+    return {
+        "cast_dtype": policy.cast_dtype,
+        "gather_dtype": policy.param_dtype,
+        "master_dtype": policy.master_dtype,
+        "reduce_dtype": policy.reduce_dtype,
+    }
+
+
+def build_stage12(
+    settings: ZeroSettings,
+    policy: PrecisionPolicy,
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    find_unused_parameters: bool,
+) -> ShardedOptimizer:
+    """The ZeRO-1/2 engine over ``module`` and ``optimizer`` (rebuilt in place over this rank's shards)."""
+    return ShardedOptimizer(
+        module,
+        optimizer,
+        stage=settings.stage,
+        grad_sync=settings.grad_sync,
+        bucket_cap_bytes=int(settings.bucket_size_mb * 2**20),
+        find_unused_parameters=find_unused_parameters,
+        accum_dtype=settings.grad_accum_dtype,
+        **engine_dtypes(policy),
+    )
+
+
+def build_stage3(
+    settings: ZeroSettings,
+    policy: PrecisionPolicy,
+    module: nn.Module,
+    *,
+    device: torch.device,
+    timeout: timedelta | None,
+    find_unused_parameters: bool,
+    rng_state: dict[str, torch.Tensor] | None = None,
+) -> ShardedParams:
+    """The ZeRO-3 engine: ``module``'s parameters sharded per unit (attach the optimizer afterwards)."""
+    return ShardedParams(
+        module,
+        auto_wrap_policy=settings.auto_wrap_policy,
+        min_num_params=settings.min_num_params,
+        reshard_after_forward=settings.reshard_after_forward,
+        grad_sync=settings.grad_sync,
+        device=device,
+        rng_state=rng_state,
+        timeout=timeout,
+        find_unused_parameters=find_unused_parameters,
+        **engine_dtypes(policy),
+    )
