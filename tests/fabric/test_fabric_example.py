@@ -13,7 +13,9 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("strategy", ["zero3_scratch", "ddp_scratch_spawn"])
+@pytest.mark.parametrize(
+    "strategy", ["zero3_scratch", pytest.param("ddp_scratch_spawn", marks=pytest.mark.slow)]
+)  # Fabric's spawn launcher in the slow run (CI runs it); popen in the default one
 def test_fabric_example_trains_on_two_processes(strategy):
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     out = subprocess.run(

@@ -363,7 +363,7 @@ def test_repeated_fits_exit_cleanly(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(TEST_TIMEOUT)
-@pytest.mark.parametrize("fail_rank", [0, 1])
+@pytest.mark.parametrize("fail_rank", [0, pytest.param(1, marks=pytest.mark.slow)])  # rank 1: the slow run
 def test_a_dying_rank_makes_the_others_exit_with_its_error(tmp_path, fail_rank):
     """One rank raises at step 2 under the popen launcher: every process ends (stdout reaches end-of-file only when
     the launcher's child has exited too), non-zero, fast, and the output names the cause."""

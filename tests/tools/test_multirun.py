@@ -128,6 +128,7 @@ def test_spawn_sweep(tmp_path: Path) -> None:
     _sweep(tmp_path, ["ddp_scratch", "zero3_scratch"], "strategy.start_method=spawn", timeout=360)
 
 
+@pytest.mark.slow  # 27 s of Hydra startup for one refusal; the CLI's other bad-input tests stay in the default run
 @pytest.mark.timeout(120)
 def test_parallel_launcher_with_popen_jobs_is_refused(tmp_path: Path) -> None:
     pytest.importorskip("hydra_plugins.hydra_joblib_launcher", reason="needs hydra-joblib-launcher (test extra)")
