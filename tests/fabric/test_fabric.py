@@ -81,6 +81,43 @@ def _all_loops() -> dict:
     return runs
 
 
+def _masters_fit(fabric: Fabric, steps: int, path: str | None = None, resume: str | None = None) -> dict:
+    """``ddp_scratch`` under ``bf16-true`` (fp32 masters): ``steps`` optimizer steps, after loading ``resume`` and
+    before saving to ``path``; returns the masters."""
+    optimizer, _ = _optimizer_and_scheduler((model := _net()).parameters())
+    model, optimizer = fabric.setup(model, optimizer)
+    state = {"model": model, "optimizer": optimizer, "step": 0}
+    if resume is not None:
+        fabric.load(resume, state)
+    for step in range(state["step"], state["step"] + steps):
+        x, y = _batch(fabric.global_rank, step, 0)
+        fabric.backward(F.mse_loss(model(x.bfloat16()).float(), y))
+        optimizer.step()
+        optimizer.zero_grad()
+    state["step"] += steps
+    if path is not None:
+        fabric.save(path, state)
+    return {"masters": [m.detach().clone() for _, m in fabric.strategy.engine.master_pairs]}
+
+
+def _masters_resume(directory: str) -> dict:
+    fabric = Fabric(accelerator="cpu", devices=WORLD, strategy="ddp_scratch", precision="bf16-true")
+    fabric.launch()
+    straight = _masters_fit(fabric, 3)
+    _masters_fit(fabric, 2, path=f"{directory}/masters.ckpt")
+    return {"straight": straight, "resumed": _masters_fit(fabric, 1, resume=f"{directory}/masters.ckpt")}
+
+
+@pytest.mark.timeout(300)
+def test_ddp_scratch_saves_and_resumes_its_fp32_masters(tmp_path):
+    """``fabric.save`` carries each parameter's fp32 master in the optimizer state and ``fabric.load`` puts it back
+    (not the bf16 weights' rounded value): 2 steps, save, a fresh setup, load, 1 step equals 3 steps."""
+    for rank_run in run_workers(_masters_resume, WORLD, str(tmp_path), timeout=240):
+        straight, resumed = rank_run["straight"]["masters"], rank_run["resumed"]["masters"]
+        assert straight and all(m.dtype == torch.float32 for m in straight)
+        assert all(torch.equal(a, b) for a, b in zip(straight, resumed))
+
+
 @pytest.fixture(scope="module")
 def runs():
     return run_workers(_all_loops, WORLD, timeout=300)
