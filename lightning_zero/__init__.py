@@ -21,6 +21,7 @@ ScratchDDPStrategy.register_strategies(StrategyRegistry)
 RobustDDPStrategy.register_strategies(StrategyRegistry)
 ZeroStrategy.register_strategies(StrategyRegistry)
 fabric.ScratchDDPStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
+fabric.RobustDDPStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
 fabric.ZeroStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
 
 __all__ = [

@@ -5,6 +5,7 @@
 
 from lightning_zero.fabric.base import ScratchFabricStrategy
 from lightning_zero.fabric.ddp import ScratchDDPStrategy
+from lightning_zero.fabric.robust import RobustDDPStrategy
 from lightning_zero.fabric.zero import ZeroStrategy
 
-__all__ = ["ScratchDDPStrategy", "ScratchFabricStrategy", "ZeroStrategy"]
+__all__ = ["RobustDDPStrategy", "ScratchDDPStrategy", "ScratchFabricStrategy", "ZeroStrategy"]

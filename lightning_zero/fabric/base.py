@@ -8,7 +8,7 @@ and the clipping hooks: :meth:`ScratchFabricStrategy._before_step` runs once per
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
@@ -23,8 +23,11 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_zero.fabric.checkpoint import Roles, check_keys, from_fabric_layout, restore_others, to_layout
 from lightning_zero.training import activation_checkpointing
 from lightning_zero.training.distributed import DistributedPlumbing, broadcast_module_states
+from lightning_zero.zero.checkpointing import MODEL, OPTIMIZERS
+from lightning_zero.zero.stage3.materialize import has_meta_tensors
 
 
 class _EngineNoSync(_BackwardSyncControl):
@@ -50,6 +53,8 @@ class ScratchFabricStrategy(DistributedPlumbing, ParallelStrategy):
             ``master_weights``, ``cast_module``, ``activation_checkpointing_policy``: as for the Trainer strategies
             (:class:`~lightning_zero.strategies.base.ScratchParallelStrategy`).
     """
+
+    engine: Any = None  # the subclass's gradient engine over the module set up (it has .remove())
 
     def __init__(
         self,
@@ -101,8 +106,11 @@ class ScratchFabricStrategy(DistributedPlumbing, ParallelStrategy):
     # ------------------------------------------------------------ module, buffers, precision
     def _setup_replica(self, module: nn.Module) -> None:
         """Rank 0's weights on every rank, torch DDP's buffer rule, the precision policy's casts and scaler, and
-        activation checkpointing (before any engine hooks the module)."""
-        broadcast_module_states(module)
+        activation checkpointing (before any engine hooks the module). A second ``fabric.setup`` (a fresh model
+        to load a checkpoint into) replaces the first model's engine."""
+        self._remove_engine()
+        if not has_meta_tensors(module):  # a meta-device model is built by the stage-3 engine, alike on every rank
+            broadcast_module_states(module)
         self._module = module
         if self.activation_checkpointing_policy:
             self._checkpointed = activation_checkpointing.apply(module, self.activation_checkpointing_policy)
@@ -167,8 +175,88 @@ class ScratchFabricStrategy(DistributedPlumbing, ParallelStrategy):
         self._prepare(optimizer)
         return super().clip_gradients_value(module, optimizer, clip_val)
 
+    # ------------------------------------------------------------ checkpoints
+    @override
+    def save_checkpoint(
+        self, path: Any, state: dict[str, Any], storage_options: Any | None = None, filter: Any | None = None
+    ) -> None:
+        """``state`` in the layout the Trainer strategies write ([Note: checkpoint layout] in
+        ``lightning_zero/zero/checkpointing.py``, :mod:`lightning_zero.fabric.checkpoint`). Collective."""
+        roles = Roles.of(state, self._module)
+        checkpoint = to_layout(self._convert_stateful_objects_in_state(state, filter or {}), roles)
+        checkpoint.update(self._strategy_state())
+        self._write_checkpoint(path, checkpoint, storage_options, filtered=bool(filter))
+
+    @override
+    def load_checkpoint(
+        self, path: Any, state: Any = None, strict: bool = True, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        """A checkpoint of either front end, or a file in Fabric's own layout, into the objects of ``state`` (a dict,
+        or a module or optimizer for ``fabric.load_raw``); returns what is left of it. Collective."""
+        if isinstance(state, (nn.Module, Optimizer)):
+            raw = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
+            if isinstance(state, nn.Module):
+                self.load_module_state_dict(state, raw, strict=strict)
+            else:
+                self._load_optimizer_state(state, raw)
+            return {}
+        if not state:
+            return self._read_whole(path, weights_only)
+        roles = Roles.of(state, self._module)
+
+        def read_full(file: Any) -> dict[str, Any]:
+            checkpoint = from_fabric_layout(self.checkpoint_io.load_checkpoint(file, weights_only=weights_only), roles)
+            if strict:  # before any weight changes
+                check_keys(state, checkpoint, roles, file)
+            return checkpoint
+
+        checkpoint, model_loaded, optimizers_loaded = self._read_checkpoint(path, read_full)
+        if strict:
+            check_keys(state, checkpoint, roles, path)
+        if roles.model is not None and not model_loaded and MODEL in checkpoint:
+            self.load_module_state_dict(state[roles.model], checkpoint[MODEL], strict=strict)
+        if not optimizers_loaded:
+            for key, optimizer_state in zip(roles.optimizers, checkpoint.get(OPTIMIZERS, [])):
+                self._load_optimizer_state(state[key], optimizer_state)
+        self._load_strategy_state(checkpoint)
+        return restore_others(state, checkpoint, roles)
+
+    def _write_checkpoint(self, path: Any, checkpoint: dict[str, Any], storage_options: Any, filtered: bool) -> None:
+        """Write a checkpoint in the shared layout: one file, from rank 0."""
+        if self.is_global_zero:
+            self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
+
+    def _read_checkpoint(
+        self, path: Any, read_full: Callable[[Any], dict[str, Any]]
+    ) -> tuple[dict[str, Any], bool, bool]:
+        """The checkpoint at ``path`` in the shared layout, and whether reading it loaded the model and the
+        optimizers already (a sharded engine reads straight into its shards)."""
+        return read_full(path), False, False
+
+    def _read_whole(self, path: Any, weights_only: bool | None) -> dict[str, Any]:
+        """``fabric.load(path)`` without a state: the file as it is."""
+        return self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
+
+    def _load_optimizer_state(self, optimizer: Optimizer, state: dict[str, Any]) -> None:
+        """One optimizer's state, in the format of ``optimizer.state_dict()``."""
+        optimizer.load_state_dict(state)
+
+    def _strategy_state(self) -> dict[str, Any]:
+        """The strategy's own checkpoint entries (collective)."""
+        return {}
+
+    def _load_strategy_state(self, checkpoint: dict[str, Any]) -> None:
+        """Restore :meth:`_strategy_state`'s entries, popping them from ``checkpoint``."""
+
+    def _remove_engine(self) -> None:
+        """The end of a run, or a second ``fabric.setup``: the engine's hooks removed and the engine dropped."""
+        if self.engine is not None:
+            self.engine.remove()
+            self.engine = None
+
     @override
     def teardown(self) -> None:
+        self._remove_engine()
         self._teardown_precision_of(self.precision, self._module)
         activation_checkpointing.revert(self._checkpointed)
         self._checkpointed = []

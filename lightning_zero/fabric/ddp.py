@@ -85,37 +85,8 @@ class ScratchDDPStrategy(ScratchFabricStrategy):
         return state
 
     @override
-    def load_checkpoint(self, path: Any, state: Any = None, strict: bool = True, weights_only: Any = None) -> Any:
-        """Fabric's loading, with the masters of an optimizer state taken out (into the masters, or the
-        parameters) before the optimizer loads it."""
-        if isinstance(state, dict) and self.engine is not None:
-            for name, obj in state.items():
-                if isinstance(obj, Optimizer):
-                    state[name] = _MastersFirst(obj, self.engine)
-            try:
-                return super().load_checkpoint(path, state, strict, weights_only)
-            finally:
-                for name, obj in state.items():
-                    if isinstance(obj, _MastersFirst):
-                        state[name] = obj.optimizer
-        return super().load_checkpoint(path, state, strict, weights_only)
-
-    @override
-    def teardown(self) -> None:
+    def _load_optimizer_state(self, optimizer: Optimizer, state: dict[str, Any]) -> None:
+        """The masters of the state first (into the masters, or the parameters), then the optimizer's own state."""
         if self.engine is not None:
-            self.engine.remove()
-        super().teardown()
-
-
-class _MastersFirst:
-    """An optimizer as Fabric's ``load_checkpoint`` sees it: loading a state pops its masters first."""
-
-    def __init__(self, optimizer: Optimizer, engine: DataParallelEngine) -> None:
-        self.optimizer, self.engine = optimizer, engine
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.optimizer.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.engine.load_masters_from_state(self.optimizer, state)
-        self.optimizer.load_state_dict(state)
+            self.engine.load_masters_from_state(optimizer, state)
+        optimizer.load_state_dict(state)

@@ -13,13 +13,16 @@ Runbook::
     fabric.clip_gradients(model, optimizer, max_norm=1.0)      # the global norm over every rank's shard
     optimizer.step()                                           # then the updated shards are all-gathered
 
-One optimizer per model. ``fabric.save``/``fabric.load`` are not supported yet under ZeRO and say so.
+One optimizer per model. ``fabric.save`` writes a sharded directory by default (``state_dict_type="full"``: one file
+from rank 0) in the layout of the Trainer's ZeRO strategy, so either front end loads the other's checkpoints
+([Note: checkpoint layout] in ``lightning_zero/zero/checkpointing.py``).
 """
 
 from __future__ import annotations
 
 import math
-from contextlib import AbstractContextManager
+from collections.abc import Callable
+from contextlib import AbstractContextManager, ExitStack
 from typing import Any
 
 import torch
@@ -29,8 +32,11 @@ from typing_extensions import override
 
 from lightning_zero.fabric.base import ScratchFabricStrategy
 from lightning_zero.training.distributed import ZERO_NAMES
+from lightning_zero.zero.checkpoint import is_sharded_checkpoint
+from lightning_zero.zero.checkpointing import ZeroCheckpointer
 from lightning_zero.zero.settings import ZeroSettings, build_stage3, build_stage12
 from lightning_zero.zero.stage3.engine import ShardedParams
+from lightning_zero.zero.stage3.materialize import has_meta_tensors, rng_state
 from lightning_zero.zero.stage12 import ShardedOptimizer
 
 
@@ -56,6 +62,7 @@ class ZeroStrategy(ScratchFabricStrategy):
         settings.apply_to(self)
         self.strategy_name = f"zero{stage}_scratch"
         self.engine: ShardedOptimizer | ShardedParams | None = None
+        self._init_rng_state: dict[str, torch.Tensor] | None = None  # fabric.init_module(empty_init=True), stage 3
 
     @override
     def setup_module_and_optimizers(
@@ -64,6 +71,26 @@ class ZeroStrategy(ScratchFabricStrategy):
         if len(optimizers) != 1:
             raise ValueError(f"{self.strategy_name} shards one optimizer per model: got {len(optimizers)}")
         return super().setup_module_and_optimizers(module, optimizers, scheduler)
+
+    @override
+    def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:
+        """``fabric.init_module(empty_init=True)`` under stage 3: the model is built on the meta device, and
+        ``fabric.setup`` materialises it unit by unit, replaying each module's ``reset_parameters()`` from the random
+        state of this moment, so no rank ever holds all of it and the weights are those of a normal build when every
+        initialisation goes through ``reset_parameters()`` ([Note: meta initialisation] in
+        ``lightning_zero/zero/stage3/materialize.py``)."""
+        if self.stage != 3 or not empty_init:
+            return super().module_init_context(empty_init)
+        self._init_rng_state = rng_state(self.root_device)
+        stack = ExitStack()
+        stack.enter_context(self.precision.module_init_context())
+        stack.enter_context(torch.device("meta"))
+        return stack
+
+    @override
+    def module_to_device(self, module: nn.Module) -> None:
+        if not has_meta_tensors(module):  # a meta-device model is built on the device by the stage-3 engine
+            super().module_to_device(module)
 
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:
@@ -76,7 +103,9 @@ class ZeroStrategy(ScratchFabricStrategy):
                 device=self.root_device,
                 timeout=self._timeout,
                 find_unused_parameters=self.find_unused_parameters,
+                rng_state=self._init_rng_state,
             )
+            self._init_rng_state = None
         return module
 
     @override
@@ -136,16 +165,63 @@ class ZeroStrategy(ScratchFabricStrategy):
             )
         return norm
 
-    @override
-    def save_checkpoint(self, path: Any, state: Any, storage_options: Any = None, filter: Any = None) -> None:
-        raise NotImplementedError(f"fabric.save is not supported by {self.strategy_name} yet")
+    # ------------------------------------------------------------ checkpoints
+    def _checkpointer(self) -> ZeroCheckpointer:
+        if self._module is None:
+            raise RuntimeError(f"{self.strategy_name} saves and loads the module it set up: fabric.setup(model) first")
+        return ZeroCheckpointer(self._module, self.engine, sharded=self.state_dict_type == "sharded")
+
+    def _is_engines(self, optimizer: Optimizer) -> bool:
+        return self.engine is not None and getattr(self.engine, "optimizer", None) is optimizer
 
     @override
-    def load_checkpoint(self, path: Any, state: Any = None, strict: bool = True, weights_only: Any = None) -> Any:
-        raise NotImplementedError(f"fabric.load is not supported by {self.strategy_name} yet")
+    def get_module_state_dict(self, module: nn.Module) -> dict[str, Any]:
+        """The module set up: stage 3's weights gathered (full, rank 0) or per-parameter DTensors (sharded)."""
+        return self._checkpointer().model_state() if module is self._module else module.state_dict()
 
     @override
-    def teardown(self) -> None:
-        if self.engine is not None:
-            self.engine.remove()
-        super().teardown()
+    def get_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """The sharded optimizer: this rank's shards (sharded) or the unsharded format gathered on rank 0 (full)."""
+        return self._checkpointer().optimizer_state() if self._is_engines(optimizer) else optimizer.state_dict()
+
+    @override
+    def _write_checkpoint(self, path: Any, checkpoint: dict[str, Any], storage_options: Any, filtered: bool) -> None:
+        checkpointer = self._checkpointer()
+        if filtered and checkpointer.sharded:
+            raise ValueError(
+                f"fabric.save(filter=...) writes full checkpoints only: {self.strategy_name} has"
+                " state_dict_type='sharded'; pass state_dict_type='full' to filter"
+            )
+        write_full = super()._write_checkpoint
+        checkpointer.save(checkpoint, path, lambda full: write_full(path, full, storage_options, filtered))
+
+    @override
+    def _read_checkpoint(
+        self, path: Any, read_full: Callable[[Any], dict[str, Any]]
+    ) -> tuple[dict[str, Any], bool, bool]:
+        checkpointer = self._checkpointer()
+        checkpoint, model_loaded = checkpointer.load(path, read_full)
+        return checkpoint, model_loaded, checkpointer.has_optimizer
+
+    @override
+    def _read_whole(self, path: Any, weights_only: bool | None) -> dict[str, Any]:
+        if is_sharded_checkpoint(path):
+            raise ValueError(
+                f"{path} is a sharded checkpoint: it loads into objects, fabric.load(path, {{'model': model,"
+                " 'optimizer': optimizer}) after fabric.setup"
+            )
+        return super()._read_whole(path, weights_only)
+
+    @override
+    def load_module_state_dict(self, module: nn.Module, state_dict: dict[str, Any], strict: bool = True) -> None:
+        if module is not self._module:
+            return super().load_module_state_dict(module, state_dict, strict)
+        self._checkpointer().load_model(state_dict, strict)
+
+    @override
+    def _load_optimizer_state(self, optimizer: Optimizer, state: dict[str, Any]) -> None:
+        if not self._is_engines(optimizer):
+            return super()._load_optimizer_state(optimizer, state)
+        self._checkpointer().load_optimizer(state)
+        if isinstance(self.engine, ShardedOptimizer):
+            self.engine.sync_after_load()  # fabric.load_raw: the parameters follow masters loaded with the state

@@ -19,6 +19,11 @@ Non-boundary micro-batches communicate nothing. ``attack=...`` *simulates* Byzan
 Logged every optimizer step (``self.log``, on step): ``robust/honest_distance``, ``robust/byzantine_selected`` (for
 selection rules), ``robust/nonfinite_dropped``, ``robust/aggregation_ms`` and ``robust/comm_bytes`` (this rank's
 all-gather output). The same values are in :attr:`RobustDDPStrategy.last_result`.
+
+The strategy is a thin adapter over :class:`~lightning_zero.robust.engine.RobustEngine` (the worker rows, the rule,
+the gathering, the checkpoint state), which Fabric's ``robust_ddp_scratch`` (:mod:`lightning_zero.fabric.robust`)
+drives as well; what stays here is the Trainer's: one ``training_step`` call per worker, the backward of each
+worker's loss, ``self.log`` of the metrics and the checkpoint hooks.
 """
 
 from __future__ import annotations
@@ -35,45 +40,21 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_zero.comm import collectives as comm
-from lightning_zero.dp.unused import unused_error
-from lightning_zero.robust.aggregation import AggregationResult, RobustAggregator, StageSpec
-from lightning_zero.robust.attacks import flip_labels
-from lightning_zero.robust.workers import WorkerGradients, split_batch
+from lightning_zero.robust.aggregation import StageSpec
+from lightning_zero.robust.engine import (
+    CHECKPOINT_KEY,
+    RobustFrontEnd,
+    build_engine,
+    check_precision_settings,
+    check_workers,
+)
 from lightning_zero.strategies.base import ScratchParallelStrategy
 from lightning_zero.training.distributed import ROBUST_NAMES
 
-CHECKPOINT_KEY = "robust_aggregation"
-"""The checkpoint entry holding the worker momentum (all ``n`` rows), the rule's centre and the generator state."""
+__all__ = ["CHECKPOINT_KEY", "RobustDDPStrategy", "check_precision_settings", "check_workers"]
 
 
-def check_workers(workers_per_rank: Any, worker_momentum: Any) -> None:
-    """The worker settings (shared with the Hydra schema in :mod:`lightning_zero.tools.config`)."""
-    if isinstance(workers_per_rank, bool) or not isinstance(workers_per_rank, int) or workers_per_rank < 1:
-        raise ValueError(f"workers_per_rank={workers_per_rank!r} is invalid: expected an integer >= 1")
-    if not 0 <= worker_momentum < 1:
-        raise ValueError(f"worker_momentum={worker_momentum!r} is invalid: expected a number in [0, 1)")
-
-
-def check_precision_settings(
-    param_dtype: Any = "auto", reduce_dtype: Any = "auto", master_weights: bool = False, cast_module: bool = False
-) -> None:
-    """The aggregation runs in the parameters' dtype, on the parameters themselves: no master copies, no cast of
-    the module, no separate communication dtype (shared with the Hydra schema in :mod:`lightning_zero.tools.config`)."""
-    if master_weights or cast_module or param_dtype not in ("auto", None):
-        raise ValueError(
-            "robust_ddp_scratch keeps no fp32 master weights: leave master_weights=False, cast_module=False and"
-            " param_dtype='auto' (under any precision the optimizer then updates the module's own parameters, as"
-            " under Lightning's ddp)"
-        )
-    if reduce_dtype not in ("auto", None):
-        raise ValueError(
-            f"reduce_dtype={reduce_dtype} is not supported by robust_ddp_scratch: its workers' rows are all-gathered in"
-            " the parameters' dtype; leave it 'auto'"
-        )
-
-
-class RobustDDPStrategy(ScratchParallelStrategy):
+class RobustDDPStrategy(RobustFrontEnd, ScratchParallelStrategy):
     """Data parallelism with a robust aggregation rule over ``n = workers_per_rank x world_size`` workers.
 
     Args:
@@ -114,37 +95,32 @@ class RobustDDPStrategy(ScratchParallelStrategy):
         master_weights: bool = False,
         **kwargs: Any,
     ) -> None:
-        check_workers(workers_per_rank, worker_momentum)
-        self.aggregator = RobustAggregator(
-            aggregator, f, aggregator_kwargs, pre_aggregators, attack, attack_kwargs, byzantine_workers, seed
+        self.engine = build_engine(
+            aggregator,
+            f=f,
+            aggregator_kwargs=aggregator_kwargs,
+            pre_aggregators=pre_aggregators,
+            workers_per_rank=workers_per_rank,
+            worker_momentum=worker_momentum,
+            attack=attack,
+            attack_kwargs=attack_kwargs,
+            byzantine_workers=byzantine_workers,
+            seed=seed,
         )
         super().__init__(master_weights=master_weights, **kwargs)
-        self.workers_per_rank = workers_per_rank
-        self.worker_momentum = worker_momentum
-        self.last_result: AggregationResult | None = None
-        self._grads: WorkerGradients | None = None
         self._worker_losses: list[Tensor] = []
-        self._window_open = False
-
-    @property
-    def num_workers(self) -> int:
-        """``n``: every process's workers together."""
-        return self.workers_per_rank * self.num_nodes * self.num_processes
 
     @property
     @override
     def strategy_buffers(self) -> list[Tensor]:
         """The worker rows (and momentum rows) while fitting."""
-        return self._grads.buffers if self._grads is not None else []
+        return self.engine.buffers
 
     @override
     def _configure_launcher(self) -> None:
-        self.aggregator.validate(self.num_workers)  # the Trainer is being built: no process has started yet
+        self._check_robust_settings()  # the Trainer is being built: no process has started yet
         super()._configure_launcher()
         self._check_precision()
-
-    def _check_precision(self) -> None:
-        check_precision_settings(**self._precision_settings)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -152,9 +128,8 @@ class RobustDDPStrategy(ScratchParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             if not self.lightning_module.automatic_optimization:
                 raise ValueError("robust_ddp_scratch needs automatic optimization (automatic_optimization=True)")
-            named = [(name, p) for name, p in self.model.named_parameters() if p.requires_grad]
-            params, names = [p for _, p in named], [name for name, _ in named]
-            self._grads = WorkerGradients(params, self.workers_per_rank, self.worker_momentum, names)
+            assert self.model is not None
+            self.engine.attach(self.model, find_unused_parameters=self.find_unused_parameters)
             self._record_trainable()
             self.setup_optimizers(trainer)
         self._setup_precision(trainer, cast_module=False)  # the shard-aware loss scaler; no casts (no masters)
@@ -167,19 +142,10 @@ class RobustDDPStrategy(ScratchParallelStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self._check_trainable()
         batch, rest = args[0], args[1:]
-        first = self.global_rank * self.workers_per_rank
-        outputs = []
         with self._buffer_sync():  # once per step, not per worker: the workers are one DDP forward
-            for j, chunk in enumerate(split_batch(batch, self.workers_per_rank)):
-                if self.aggregator.data_attack and first + j in self.aggregator.byzantine:
-                    chunk = self._flip_labels(chunk)
-                outputs.append(ParallelStrategy.training_step(self, chunk, *rest, **kwargs))
+            chunks = self.engine.worker_chunks(batch)
+            outputs = [ParallelStrategy.training_step(self, chunk, *rest, **kwargs) for chunk in chunks]
         return self._combine(outputs)
-
-    def _flip_labels(self, chunk: Any) -> Any:
-        if not (isinstance(chunk, (list, tuple)) and len(chunk) == 2 and isinstance(chunk[1], Tensor)):
-            raise ValueError("attack='label_flip' needs (inputs, labels) batches")
-        return type(chunk)((chunk[0], flip_labels(chunk[1], **self.aggregator.attack_kwargs)))
 
     def _combine(self, outputs: list[Any]) -> Any:
         """The workers' outputs as one: the mean loss (for logging and Lightning's bookkeeping)."""
@@ -196,93 +162,26 @@ class RobustDDPStrategy(ScratchParallelStrategy):
     # ------------------------------------------------------------ backward: one per worker, then aggregate
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
-        grads, module = self._grads, self.lightning_module
-        assert grads is not None and module is not None
+        module = self.lightning_module
+        assert module is not None
         losses, self._worker_losses = self._worker_losses, []
         if not losses:
             raise RuntimeError("robust_ddp_scratch runs backward on the losses of its own training_step only")
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-        if not self._window_open:
-            grads.rows.zero_()
-            grads.used.end_window()
-            self._window_open = True
         # Lightning divides the loss by accumulate_grad_batches; each worker's loss gets the same scale, and the
         # loss scale of 16-mixed (pre_backward applied it to closure_loss only, which is not differentiated here).
-        scale = 1.0 / self.lightning_module.trainer.accumulate_grad_batches
+        scale = 1.0 / module.trainer.accumulate_grad_batches
         scaler = getattr(self.precision_plugin, "scaler", None)
         for j, loss in enumerate(losses):
-            grads.bind(j)
-            loss = loss * scale
-            self.precision_plugin.backward(scaler.scale(loss) if scaler else loss, module, optimizer, *args, **kwargs)
-            grads.collect(j)
+            with self.engine.worker_backward(j):
+                loss = scaler.scale(loss * scale) if scaler else loss * scale
+                self.precision_plugin.backward(loss, module, optimizer, *args, **kwargs)
         if not self._backward_sync_blocked:  # non-boundary micro-batches: accumulate into the rows only
-            self._aggregate()
+            metrics = self.engine.aggregate()
+            module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
         return self.precision_plugin.post_backward(closure_loss, module)
 
-    def _unused_everywhere(self) -> set[str]:
-        """Parameters without a gradient in this window: an error, or with ``find_unused_parameters`` their rows
-        stay zero and the parameters no rank used get ``p.grad = None`` (as under torch DDP)."""
-        grads = self._grads
-        assert grads is not None
-        if not self.find_unused_parameters:
-            unused = grads.used.unused_in_window()
-            if unused:
-                raise unused_error(unused)
-            return set()
-        return grads.used.find_unused_everywhere(grads.rows.device)
-
-    def _gather_rows(self, rows: Tensor, tag: str) -> Tensor:
-        """This rank's ``(k, d)`` worker rows -> every worker's ``(n, d)``, in global worker order (one process: the
-        rows themselves)."""
-        if comm.world_size() == 1:
-            return rows
-        stack = rows.new_empty(self.num_workers, rows.shape[1])
-        comm.all_gather(stack, rows, tag=tag)
-        return stack
-
-    def _aggregate(self) -> None:
-        grads = self._grads
-        assert grads is not None
-        unused = self._unused_everywhere()
-        stack = self._gather_rows(grads.vectors(), tag="worker_grads")
-        result = self.aggregator(stack)
-        grads.set_grads(result.vector, skip=unused)
-        self._window_open = False
-        self.last_result = result
-        comm_bytes = stack.numel() * stack.element_size() if comm.world_size() > 1 else 0
-        metrics = {
-            "robust/honest_distance": result.honest_distance,
-            "robust/nonfinite_dropped": float(result.dropped),
-            "robust/aggregation_ms": result.seconds * 1e3,
-            "robust/comm_bytes": float(comm_bytes),
-        }
-        if result.byzantine_selected is not None:
-            metrics["robust/byzantine_selected"] = result.byzantine_selected
-        self.lightning_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
-
     # ------------------------------------------------------------ checkpoints
-    def robust_state_dict(self) -> dict[str, Any]:
-        """The aggregator's state and every worker's momentum row (a collective: every rank must call it)."""
-        state: dict[str, Any] = {"num_workers": self.num_workers, **self.aggregator.state_dict()}
-        grads = self._grads
-        momentum = grads.momentum_rows if grads is not None else None
-        if momentum is not None:
-            momentum = self._gather_rows(momentum, tag="checkpoint").cpu().clone()
-        state["worker_momentum"] = momentum
-        return state
-
-    def load_robust_state_dict(self, state: Mapping[str, Any]) -> None:
-        if state["num_workers"] != self.num_workers:
-            raise ValueError(
-                f"the checkpoint's robust aggregation state is for n={state['num_workers']} workers, this run has"
-                f" n={self.num_workers}: resume with the same devices x num_nodes x workers_per_rank"
-            )
-        self.aggregator.load_state_dict(state)
-        momentum, grads = state.get("worker_momentum"), self._grads
-        if momentum is not None and grads is not None and grads.momentum_rows is not None:
-            first = self.global_rank * self.workers_per_rank
-            grads.momentum_rows.copy_(momentum[first : first + self.workers_per_rank])
-
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         if "optimizer_states" in checkpoint:  # not for weights-only checkpoints
@@ -299,8 +198,6 @@ class RobustDDPStrategy(ScratchParallelStrategy):
     def teardown(self) -> None:
         # The worker rows stay, like the optimizer's state: momentum rows belong in a checkpoint saved after fit.
         self._worker_losses = []
-        self._window_open = False
-        if self._grads is not None:
-            self._grads.remove()
+        self.engine.remove()
         self._revert_layer_sync()
         super().teardown()

@@ -46,8 +46,7 @@ from typing_extensions import override
 
 from lightning_zero.strategies.base import ScratchParallelStrategy, SpawnLauncher
 from lightning_zero.training.distributed import ZERO_NAMES
-from lightning_zero.zero import stage12_state as so_state
-from lightning_zero.zero.checkpoint import is_sharded_checkpoint, load_sharded, read_metadata, save_sharded
+from lightning_zero.zero.checkpointing import ZeroCheckpointer
 from lightning_zero.zero.grad_norm import shard_grad_norms
 from lightning_zero.zero.settings import ZeroSettings, build_stage3, build_stage12
 from lightning_zero.zero.stage3 import state as sp_state
@@ -56,6 +55,7 @@ from lightning_zero.zero.stage3.materialize import (
     ModuleSnapshot,
     fits_in_memory,
     meta_nbytes,
+    rng_state,
     unreplayed_init,
 )
 from lightning_zero.zero.stage12 import ShardedOptimizer
@@ -135,7 +135,7 @@ class ZeroStrategy(ScratchParallelStrategy):
         self._engine: ShardedOptimizer | None = None
         self._params: ShardedParams | None = None
         self._init_rng_state: dict[str, torch.Tensor] | None = None
-        self._restored_sharded = False
+        self._model_loaded = False  # load_checkpoint loaded the weights too
         self.strategy_name = f"zero{stage}_scratch"  # the registered name of this stage (run reports use it)
 
     @property
@@ -172,10 +172,10 @@ class ZeroStrategy(ScratchParallelStrategy):
             yield
             return
         snapshot = ModuleSnapshot(module) if self.model_init != "meta" else None
-        rng_before = self._rng_state()
+        rng_before = rng_state(self.root_device)
         with torch.device("meta"):
             yield
-        self._init_rng_state = self._rng_state()  # meta construction draws no random numbers: still rng_before
+        self._init_rng_state = rng_state(self.root_device)  # meta construction drew no random numbers
         nbytes = meta_nbytes(module)
         if not nbytes:
             return
@@ -197,12 +197,6 @@ class ZeroStrategy(ScratchParallelStrategy):
                 f" of {unreplayed}, so their weights may differ from a normal build. Give them a reset_parameters(),"
                 " or pass model_init='full' if the model fits in memory."
             )
-
-    def _rng_state(self) -> dict[str, Tensor]:
-        state = {"cpu": torch.get_rng_state()}
-        if self.root_device.type == "cuda":
-            state["cuda"] = torch.cuda.get_rng_state(self.root_device)
-        return state
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -344,81 +338,36 @@ class ZeroStrategy(ScratchParallelStrategy):
     def lightning_restore_optimizer(self) -> bool:
         return False  # load_checkpoint restores the optimizer shards itself
 
+    def _checkpointer(self) -> ZeroCheckpointer:
+        assert self.lightning_module is not None
+        return ZeroCheckpointer(self.lightning_module, self.engine, sharded=self.state_dict_type == "sharded")
+
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """Stage 3: the weights gathered (``"full"``, rank 0) or as per-parameter DTensors (``"sharded"``)."""
-        if self._params is None:
-            return super().lightning_module_state_dict()
-        return sp_state.model_state_dict(self._params, sharded=self.state_dict_type == "sharded")
+        return self._checkpointer().model_state()
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """This rank's share of the optimizer state (collective: Lightning calls it on every rank when saving)."""
-        sharded = self.state_dict_type == "sharded"
-        if self._params is not None and self._params.optimizer is not None:
-            return sp_state.optimizer_state_dict(self._params, sharded=sharded)
-        if self._engine is None:
-            return super().optimizer_state(optimizer)
-        return so_state.sharded_state_dict(self._engine) if sharded else so_state.full_state_dict(self._engine)
+        checkpointer = self._checkpointer()
+        return checkpointer.optimizer_state() if checkpointer.has_optimizer else super().optimizer_state(optimizer)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        if self.state_dict_type == "full":
-            return super().save_checkpoint(checkpoint, filepath, storage_options)
-        checkpoint = dict(checkpoint)
-        tensors: dict[str, Any] = {"model": checkpoint.pop("state_dict")}
-        optimizer_states = checkpoint.pop("optimizer_states", [])
-        for i, state in enumerate(optimizer_states):
-            tensors[f"optimizer_{i}"] = {"state": state["state"]}
-        checkpoint["optimizer_param_groups"] = [state["param_groups"] for state in optimizer_states]
-        save_sharded(filepath, tensors, meta=checkpoint)
+        """[Note: checkpoint layout] in ``lightning_zero/zero/checkpointing.py``."""
+        write_full = super().save_checkpoint
+        self._checkpointer().save(checkpoint, filepath, lambda full: write_full(full, filepath, storage_options))
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        assert self.lightning_module is not None
-        params, engine = self._params, self._engine
-        with_optimizer = engine is not None or (params is not None and params.optimizer is not None)
-        self._restored_sharded = is_sharded_checkpoint(checkpoint_path)
-        if not self._restored_sharded:
-            checkpoint = self._load_full_file(checkpoint_path, weights_only)
-            optimizer_state = (checkpoint.get("optimizer_states") or [None])[0]
-            if params is not None:
-                sp_state.load_model_state_dict(params, checkpoint["state_dict"])
-                if with_optimizer and optimizer_state:
-                    sp_state.load_optimizer_state_dict(params, optimizer_state, optimizer_state["param_groups"])
-            elif engine is not None and optimizer_state:
-                so_state.load_full_state_dict(engine, optimizer_state)
-            return checkpoint
-        metadata = read_metadata(checkpoint_path)
-        # Stage 1/2: views of the parameters, loaded in place. Stage 3: per-parameter DTensors.
-        model_state = sp_state.model_template(params) if params is not None else self.lightning_module.state_dict()
-        for name, tensor in model_state.items():
-            item = metadata.state_dict_metadata.get(f"model.{name}")
-            if item is not None and tuple(item.size) != tuple(tensor.shape):
-                raise ValueError(
-                    f"checkpoint tensor {name!r} has shape {tuple(item.size)}, but the model's has shape"
-                    f" {tuple(tensor.shape)} (size mismatch): {checkpoint_path}"
-                )
-        tensors: dict[str, Any] = {"model": model_state}
-        if with_optimizer and any(fqn.startswith("optimizer_0.") for fqn in metadata.state_dict_metadata):
-            tensors["optimizer_0"] = (
-                sp_state.optimizer_template(params, metadata, "optimizer_0")
-                if params is not None
-                else so_state.sharded_template(engine, metadata, "optimizer_0")
-            )
-        meta = load_sharded(checkpoint_path, tensors)
-        param_groups = meta.pop("optimizer_param_groups", [])
-        if params is not None:
-            sp_state.load_model_state_dict(params, model_state)
-        if with_optimizer and param_groups:
-            # A stateless optimizer (SGD without momentum) saves no tensor, but its hyper-parameters (the LR a
-            # scheduler has moved) are in meta.pt and must come back all the same.
-            optimizer_state = tensors.get("optimizer_0", {"state": {}})
-            if params is not None:
-                sp_state.load_optimizer_state_dict(params, optimizer_state, param_groups[0])
-            else:
-                so_state.load_sharded_state_dict(engine, optimizer_state, param_groups[0])
-        return meta
+        """Either kind, saved at any world size; the optimizer's shards, and the model where Lightning cannot load it
+        (sharded checkpoints, stage 3), are loaded here."""
+        read_full = self._load_full_file
+        checkpoint, self._model_loaded = self._checkpointer().load(
+            checkpoint_path, lambda p: read_full(p, weights_only)
+        )
+        return checkpoint
 
     def _load_full_file(self, path: Any, weights_only: bool | None) -> dict[str, Any]:
         """A full checkpoint, memory-mapped when it is a local file read by Lightning's default checkpoint IO: every
@@ -431,10 +380,8 @@ class ZeroStrategy(ScratchParallelStrategy):
     @override
     def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
         # load_checkpoint already loaded a sharded checkpoint (in place), or any checkpoint into stage 3's shards.
-        if not self._restored_sharded and self._params is None:
-            super().load_model_state_dict(checkpoint, strict)
-        if self._engine is not None:
-            self._engine.sync_after_load()  # master shards and parameters agree again
+        if not self._model_loaded:
+            self._checkpointer().load_model(checkpoint["state_dict"], strict)
 
     @override
     def teardown(self) -> None:

@@ -17,7 +17,7 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_zero.robust.aggregation import RobustAggregator
-from lightning_zero.strategies.robust import check_precision_settings, check_workers
+from lightning_zero.robust.engine import check_precision_settings, check_workers
 from lightning_zero.training.distributed import START_METHODS
 from lightning_zero.training.module_classes import module_classes
 from lightning_zero.training.precision import parse_dtype, resolve_policy, unified_precision

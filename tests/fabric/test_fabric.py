@@ -35,8 +35,9 @@ def _net() -> nn.Module:
     return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1))
 
 
-def _batch(rank: int, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
+def _batch(rank: int, step: int, micro: int, world: int = WORLD) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s micro-batch; the ranks of a world size other than ``WORLD`` read data of their own."""
+    g = torch.Generator().manual_seed(1000 * step + 10 * micro + rank + 100 * (world != WORLD))
     x = torch.randn(BATCH, 6, generator=g)
     return x, x[:, :1] * 2 - x[:, 1:2]
 
@@ -123,14 +124,15 @@ def runs():
     return run_workers(_all_loops, WORLD, timeout=300)
 
 
-def _reference() -> dict[str, torch.Tensor]:
+def _reference(worlds: tuple[int, ...] = (WORLD,) * STEPS) -> dict[str, torch.Tensor]:
+    """One process; step ``i`` sums the micro-batches of ``worlds[i]`` ranks (see :func:`_batch`)."""
     model = _net()
     optimizer, scheduler = _optimizer_and_scheduler(model.parameters())
-    for step in range(STEPS):
-        for rank in range(WORLD):
+    for step, world in enumerate(worlds):
+        for rank in range(world):
             for micro in range(ACCUM):
-                x, y = _batch(rank, step, micro)
-                (F.mse_loss(model(x), y) / ACCUM / WORLD).backward()
+                x, y = _batch(rank, step, micro, world)
+                (F.mse_loss(model(x), y) / ACCUM / world).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         optimizer.step()
         optimizer.zero_grad()
@@ -179,3 +181,30 @@ def test_bad_settings_raise_the_trainer_strategies_errors(kwargs, message):
         lightning_zero.fabric.ZeroStrategy(**kwargs)
     with pytest.raises(ValueError, match=message):
         lightning_zero.ZeroStrategy(**kwargs)
+
+
+def _collectives() -> dict:
+    out = {}
+    for name in (*OURS, "robust_ddp_scratch"):
+        fabric = Fabric(accelerator="cpu", devices=WORLD, strategy=name)
+        fabric.launch()
+        rank = torch.tensor([float(fabric.global_rank + 1)])
+        fabric.barrier()
+        out[name] = {
+            "sum": fabric.all_reduce(rank.clone(), reduce_op="sum"),
+            "mean": fabric.all_reduce(rank.clone(), reduce_op="mean"),
+            "gathered": fabric.all_gather({"r": rank, "pair": torch.stack([rank, rank * 10])}),
+            "tensor": fabric.broadcast(rank.clone(), src=1),
+            "object": fabric.broadcast({"from": fabric.global_rank}, src=0),
+        }
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_fabric_collectives_on_every_strategy():
+    for rank_runs in run_workers(_collectives, WORLD, timeout=240):
+        for name, got in rank_runs.items():
+            assert got["sum"].item() == 3.0 and got["mean"].item() == 1.5, name
+            assert torch.equal(got["gathered"]["r"], torch.tensor([[1.0], [2.0]])), name
+            assert torch.equal(got["gathered"]["pair"][:, :, 0], torch.tensor([[1.0, 10.0], [2.0, 20.0]])), name
+            assert got["tensor"].item() == 2.0 and got["object"] == {"from": 0}, name

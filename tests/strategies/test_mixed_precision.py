@@ -33,6 +33,7 @@ from lightning_zero.comm import collectives as comm
 from lightning_zero.training.memory import zero_model_state_bytes
 from lightning_zero.training.precision import ShardedGradScaler
 from lightning_zero.zero.stage3.engine import ShardedParams
+from lightning_zero.zero.stage12 import ShardedOptimizer
 from tests.helpers.equivalence import make_strategy, max_diff
 from tests.helpers.parity import quiet_trainer
 from tests.helpers.workers import run_workers
@@ -89,7 +90,7 @@ class MPModule(L.LightningModule):
 def _first_grad(strategy, module) -> torch.Tensor:
     """Where this rank holds the first piece of the averaged gradient: ZeRO's shard, else a parameter's."""
     engine = getattr(strategy, "engine", None)
-    if engine is not None:
+    if isinstance(engine, (ShardedOptimizer, ShardedParams)):
         return next(s.grad for s in engine.shard_params if s.grad is not None and s.grad.numel())
     p = next(iter(module.parameters()))
     reducer = getattr(strategy, "reducer", None)
@@ -121,7 +122,7 @@ def _masters(strategy, module) -> dict[str, torch.Tensor]:
     if isinstance(engine, ShardedParams):
         for s in engine.segments:
             out.update(zip(s.names, s.gather_values(s.shard, None)))
-    elif engine is not None:
+    elif isinstance(engine, ShardedOptimizer):
         for g in engine.groups:
             full = torch.empty(g.layout.padded_numel, dtype=g.shard.dtype, device=g.shard.device)
             comm.all_gather(full, g.shard.detach())

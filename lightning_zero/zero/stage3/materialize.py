@@ -26,6 +26,7 @@ not ``reset_parameters()`` (a custom ``_init_weights`` applied after constructio
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -53,6 +54,18 @@ def load_real_tensors(module: nn.Module, load_param: LoadParam, device: torch.de
             comm.broadcast(tensor.data, 0, group=group, tag="init")
         if isinstance(tensor, nn.Parameter):
             load_param(tensor)
+
+
+def rng_state(device: torch.device) -> dict[str, Tensor]:
+    """The random state a meta-device build replays from: the CPU's, and ``device``'s when it is a GPU."""
+    state = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def has_meta_tensors(module: nn.Module) -> bool:
+    return any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers()))
 
 
 def build_meta_modules(

@@ -1,0 +1,306 @@
+"""The robust-aggregation engine of ``robust_ddp_scratch``, the same object under the Trainer
+(:class:`lightning_zero.strategies.robust.RobustDDPStrategy`) and under Fabric
+(:class:`lightning_zero.fabric.robust.RobustDDPStrategy`).
+
+Runbook::
+
+    engine = build_engine(aggregator="trimmed_mean", f=1, workers_per_rank=2)  # the settings checked
+    engine.validate(world_size=2)                # n = 2 x 2 workers: the rule's bounds, the attack's workers
+    engine.attach(module, find_unused_parameters=False)   # the (k, d) worker rows over the trainable parameters
+    for j, chunk in enumerate(engine.worker_chunks(batch)):  # split; label_flip on the Byzantine workers' chunks
+        with engine.worker_backward(j):          # the window opens on the first; p.grad bound to row j
+            loss_fn(module(chunk)).backward()
+    metrics = engine.aggregate()                 # once per optimizer step: every rank's rows all-gathered, the rule
+    optimizer.step()                             # p.grad: views of the aggregate (the same on every rank)
+
+The engine does not know who drives it: the front ends decide when a window's last backward has run (the Trainer
+after the boundary micro-batch's backward, Fabric lazily before clipping or the optimizer step) and what to do with
+the metrics (``self.log`` or :attr:`RobustEngine.last_metrics`). Ranks and world size are the process group's
+(:mod:`lightning_zero.comm.collectives`); without one, a single process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+from torch import Tensor, nn
+
+from lightning_zero.comm import collectives as comm
+from lightning_zero.dp.unused import unused_error
+from lightning_zero.robust.aggregation import AggregationResult, RobustAggregator
+from lightning_zero.robust.attacks import flip_labels
+from lightning_zero.robust.workers import WorkerGradients, split_batch
+
+CHECKPOINT_KEY = "robust_aggregation"
+"""The checkpoint entry holding the worker momentum (all ``n`` rows), the rule's centre and the generator state."""
+
+
+def check_workers(workers_per_rank: Any, worker_momentum: Any) -> None:
+    """The worker settings (shared with the Hydra schema in :mod:`lightning_zero.tools.config`)."""
+    if isinstance(workers_per_rank, bool) or not isinstance(workers_per_rank, int) or workers_per_rank < 1:
+        raise ValueError(f"workers_per_rank={workers_per_rank!r} is invalid: expected an integer >= 1")
+    if not 0 <= worker_momentum < 1:
+        raise ValueError(f"worker_momentum={worker_momentum!r} is invalid: expected a number in [0, 1)")
+
+
+def check_precision_settings(
+    param_dtype: Any = "auto", reduce_dtype: Any = "auto", master_weights: bool = False, cast_module: bool = False
+) -> None:
+    """The aggregation runs in the parameters' dtype, on the parameters themselves: no master copies, no cast of
+    the module, no separate communication dtype (shared with the Hydra schema in :mod:`lightning_zero.tools.config`)."""
+    if master_weights or cast_module or param_dtype not in ("auto", None):
+        raise ValueError(
+            "robust_ddp_scratch keeps no fp32 master weights: leave master_weights=False, cast_module=False and"
+            " param_dtype='auto' (under any precision the optimizer then updates the module's own parameters, as"
+            " under Lightning's ddp)"
+        )
+    if reduce_dtype not in ("auto", None):
+        raise ValueError(
+            f"reduce_dtype={reduce_dtype} is not supported by robust_ddp_scratch: its workers' rows are all-gathered in"
+            " the parameters' dtype; leave it 'auto'"
+        )
+
+
+SETTINGS = (
+    "aggregator", "f", "aggregator_kwargs", "pre_aggregators", "workers_per_rank", "worker_momentum", "attack",
+    "attack_kwargs", "byzantine_workers", "seed",
+)  # fmt: skip
+"""The front ends' robust settings (documented on :class:`~lightning_zero.strategies.robust.RobustDDPStrategy`)."""
+
+
+def build_engine(
+    aggregator: str = "mean",
+    *,
+    workers_per_rank: int = 1,
+    worker_momentum: float = 0.0,
+    aggregator_kwargs: Mapping[str, Any] | None = None,
+    byzantine_workers: Sequence[int] | None = None,
+    **rule: Any,
+) -> RobustEngine:
+    """The engine of the front ends' :data:`SETTINGS`, each bad one raising naming itself (``f``,
+    ``pre_aggregators``, ``attack``, ``attack_kwargs`` and ``seed`` in ``rule``, as
+    :class:`~lightning_zero.robust.aggregation.RobustAggregator` takes them); the rule's bounds for ``n`` are
+    checked later, by :meth:`RobustEngine.validate`."""
+    check_workers(workers_per_rank, worker_momentum)
+    aggregation = RobustAggregator(aggregator, rule_kwargs=aggregator_kwargs, byzantine=byzantine_workers, **rule)
+    return RobustEngine(aggregation, workers_per_rank, worker_momentum)
+
+
+class RobustEngine:
+    """One rank's workers, their gradient rows and the robust rule; see the module docstring.
+
+    Args:
+        aggregator: the rule with its pre-aggregators and simulated attack.
+        workers_per_rank: ``k``, the workers of this process.
+        worker_momentum: ``beta`` in ``[0, 1)`` of every worker's momentum.
+    """
+
+    def __init__(self, aggregator: RobustAggregator, workers_per_rank: int = 1, worker_momentum: float = 0.0) -> None:
+        self.aggregator = aggregator
+        self.workers_per_rank = workers_per_rank
+        self.worker_momentum = worker_momentum
+        self.find_unused_parameters = False
+        self.grads: WorkerGradients | None = None
+        self.window_open = False
+        self.last_result: AggregationResult | None = None
+        self.last_metrics: dict[str, float] = {}
+
+    # ------------------------------------------------------------ topology
+    @property
+    def num_workers(self) -> int:
+        """``n``: every process's workers together."""
+        return self.workers_per_rank * comm.world_size()
+
+    @property
+    def first_worker(self) -> int:
+        """The global index of this rank's first worker (global worker ``i`` is row ``i % k`` of rank ``i // k``)."""
+        return comm.rank() * self.workers_per_rank
+
+    def validate(self, world_size: int) -> None:
+        """The rule's bounds and the simulated attack for ``n = workers_per_rank x world_size`` (before any process
+        starts: the front end passes its topology)."""
+        self.aggregator.validate(self.workers_per_rank * world_size)
+
+    # ------------------------------------------------------------ setup
+    def attach(self, module: nn.Module, *, find_unused_parameters: bool) -> None:
+        """The worker rows over ``module``'s trainable parameters (a run's start; replaces earlier rows)."""
+        named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+        params, names = [p for _, p in named], [name for name, _ in named]
+        if self.grads is not None:
+            self.grads.remove()
+        self.grads = WorkerGradients(params, self.workers_per_rank, self.worker_momentum, names)
+        self.find_unused_parameters = find_unused_parameters
+        self.window_open = False
+
+    def _attached(self) -> WorkerGradients:
+        if self.grads is None:
+            raise RuntimeError("robust_ddp_scratch: the module is not set up yet (no worker rows to accumulate into)")
+        return self.grads
+
+    @property
+    def buffers(self) -> list[Tensor]:
+        """The worker rows (and momentum rows)."""
+        return self.grads.buffers if self.grads is not None else []
+
+    def remove(self) -> None:
+        """The end of a run: the autograd hooks removed, the window closed. The rows stay, like an optimizer's state:
+        the momentum rows belong in a checkpoint saved after the run."""
+        self.window_open = False
+        if self.grads is not None:
+            self.grads.remove()
+
+    # ------------------------------------------------------------ forward and backward: one per worker
+    def worker_chunks(self, batch: Any) -> list[Any]:
+        """This rank's micro-batch split into one chunk per worker; the simulated ``label_flip`` attack applied to
+        the chunks of Byzantine workers."""
+        first = self.first_worker
+        chunks = split_batch(batch, self.workers_per_rank)
+        if self.aggregator.data_attack:
+            byzantine = self.aggregator.byzantine
+            chunks = [self._flip_labels(c) if first + j in byzantine else c for j, c in enumerate(chunks)]
+        return chunks
+
+    def _flip_labels(self, chunk: Any) -> Any:
+        if not (isinstance(chunk, (list, tuple)) and len(chunk) == 2 and isinstance(chunk[1], Tensor)):
+            raise ValueError("attack='label_flip' needs (inputs, labels) batches")
+        return type(chunk)((chunk[0], flip_labels(chunk[1], **self.aggregator.attack_kwargs)))
+
+    def open_window(self) -> None:
+        """The first backward after an optimizer step: the rows zeroed, the used-parameter record restarted."""
+        grads = self._attached()
+        if not self.window_open:
+            grads.rows.zero_()
+            grads.used.end_window()
+            self.window_open = True
+
+    @contextmanager
+    def worker_backward(self, worker: int) -> Generator[None, None, None]:
+        """Around one backward of local worker ``worker``: its gradients accumulate into its row."""
+        if not 0 <= worker < self.workers_per_rank:
+            raise ValueError(f"worker={worker} is out of range for workers_per_rank={self.workers_per_rank}")
+        grads = self._attached()
+        self.open_window()
+        grads.bind(worker)
+        try:
+            yield
+        finally:
+            grads.collect(worker)
+
+    # ------------------------------------------------------------ the optimizer step
+    def _unused_everywhere(self) -> set[str]:
+        """Parameters without a gradient in this window: an error, or with ``find_unused_parameters`` their rows
+        stay zero and the parameters no rank used get ``p.grad = None`` (as under torch DDP)."""
+        grads = self._attached()
+        if not self.find_unused_parameters:
+            unused = grads.used.unused_in_window()
+            if unused:
+                raise unused_error(unused)
+            return set()
+        return grads.used.find_unused_everywhere(grads.rows.device)
+
+    def _gather_rows(self, rows: Tensor, tag: str) -> Tensor:
+        """This rank's ``(k, d)`` worker rows -> every worker's ``(n, d)``, in global worker order (one process: the
+        rows themselves)."""
+        if comm.world_size() == 1:
+            return rows
+        stack = rows.new_empty(self.num_workers, rows.shape[1])
+        comm.all_gather(stack, rows, tag=tag)
+        return stack
+
+    def aggregate(self) -> dict[str, float]:
+        """The window's end (collective): every worker's rows all-gathered, the rule run on them, every ``p.grad``
+        bound to the aggregate. Returns the step's metrics (also in :attr:`last_metrics`, the result in
+        :attr:`last_result`): ``robust/honest_distance``, ``robust/byzantine_selected`` (selection rules),
+        ``robust/nonfinite_dropped``, ``robust/aggregation_ms`` and ``robust/comm_bytes`` (this rank's all-gather
+        output)."""
+        grads = self._attached()
+        unused = self._unused_everywhere()
+        stack = self._gather_rows(grads.vectors(), tag="worker_grads")
+        result = self.aggregator(stack)
+        grads.set_grads(result.vector, skip=unused)
+        self.window_open = False
+        self.last_result = result
+        comm_bytes = stack.numel() * stack.element_size() if comm.world_size() > 1 else 0
+        metrics = {
+            "robust/honest_distance": result.honest_distance,
+            "robust/nonfinite_dropped": float(result.dropped),
+            "robust/aggregation_ms": result.seconds * 1e3,
+            "robust/comm_bytes": float(comm_bytes),
+        }
+        if result.byzantine_selected is not None:
+            metrics["robust/byzantine_selected"] = result.byzantine_selected
+        self.last_metrics = metrics
+        return metrics
+
+    # ------------------------------------------------------------ checkpoints
+    def robust_state_dict(self) -> dict[str, Any]:
+        """The aggregator's state and every worker's momentum row (a collective: every rank must call it)."""
+        state: dict[str, Any] = {"num_workers": self.num_workers, **self.aggregator.state_dict()}
+        grads = self.grads
+        momentum = grads.momentum_rows if grads is not None else None
+        if momentum is not None:
+            momentum = self._gather_rows(momentum, tag="checkpoint").cpu().clone()
+        state["worker_momentum"] = momentum
+        return state
+
+    def load_robust_state_dict(self, state: Mapping[str, Any]) -> None:
+        if state["num_workers"] != self.num_workers:
+            raise ValueError(
+                f"the checkpoint's robust aggregation state is for n={state['num_workers']} workers, this run has"
+                f" n={self.num_workers}: resume with the same devices x num_nodes x workers_per_rank"
+            )
+        self.aggregator.load_state_dict(state)
+        momentum, grads = state.get("worker_momentum"), self.grads
+        if momentum is not None and grads is not None and grads.momentum_rows is not None:
+            first = self.first_worker
+            grads.momentum_rows.copy_(momentum[first : first + self.workers_per_rank])
+
+
+class RobustFrontEnd:
+    """What both front ends of ``robust_ddp_scratch`` (the Trainer's and Fabric's strategy) say about their
+    :class:`RobustEngine` (``self.engine``); a mixin for a strategy on
+    :class:`~lightning_zero.training.distributed.DistributedPlumbing`."""
+
+    engine: RobustEngine
+    num_nodes: int
+    num_processes: int
+    _precision_settings: dict[str, Any]
+
+    @property
+    def aggregator(self) -> RobustAggregator:
+        return self.engine.aggregator
+
+    @property
+    def workers_per_rank(self) -> int:
+        return self.engine.workers_per_rank
+
+    @property
+    def worker_momentum(self) -> float:
+        return self.engine.worker_momentum
+
+    @property
+    def num_workers(self) -> int:
+        """``n``: every process's workers together."""
+        return self.workers_per_rank * self.num_nodes * self.num_processes
+
+    @property
+    def last_result(self) -> AggregationResult | None:
+        """The last optimizer step's aggregation result."""
+        return self.engine.last_result
+
+    def _check_robust_settings(self) -> None:
+        """When the Trainer or Fabric attaches the devices, before any process starts: the rule's bounds for ``n``
+        and the simulated attack."""
+        self.engine.validate(self.num_nodes * self.num_processes)
+
+    def _check_precision(self) -> None:
+        check_precision_settings(**self._precision_settings)
+
+    def robust_state_dict(self) -> dict[str, Any]:
+        """The aggregator's state and every worker's momentum row (a collective: every rank must call it)."""
+        return self.engine.robust_state_dict()
+
+    def load_robust_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.engine.load_robust_state_dict(state)

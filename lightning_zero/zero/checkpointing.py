@@ -1,0 +1,147 @@
+"""Checkpoints of a model and its ZeRO engine, in the one layout the Trainer and Fabric front ends share.
+
+[Note: checkpoint layout] A checkpoint is a dict with Lightning's Trainer keys for the model and the optimizer, so
+one written by ``trainer.save_checkpoint`` loads with ``fabric.load`` under the same strategy, and the other way:
+
+- ``"state_dict"``: the model's ``state_dict()`` (the module set up by the strategy; under the Trainer, the
+  LightningModule).
+- ``"optimizer_states"``: a list with the optimizer's state in the format of the unsharded ``torch.optim`` optimizer
+  (ZeRO shards one optimizer, so one entry).
+- ``"lr_schedulers"``: a list of the schedulers' ``state_dict()`` (Fabric: the ``LRScheduler`` objects of the saved
+  state, in its order).
+- anything else under its own key: the Trainer's loops, callbacks and hyper-parameters; Fabric's other state
+  entries (``state_dict()`` of an object that has one, else the value).
+
+A *full* checkpoint is that dict in one file written by rank 0 (``torch.load`` and
+``LightningModule.load_from_checkpoint`` read it without lightning_zero). A *sharded* checkpoint is a directory
+(:mod:`lightning_zero.zero.checkpoint`): the tensors of ``"state_dict"`` under ``model.`` and the optimizer's
+per-element state under ``optimizer_0.`` go to DCP, each rank writing what it owns, and ``meta.pt`` holds the rest,
+the optimizer's ``param_groups`` as ``"optimizer_param_groups"``. Either kind loads at any world size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from lightning_zero.zero import stage12_state as so_state
+from lightning_zero.zero.checkpoint import is_sharded_checkpoint, load_sharded, read_metadata, save_sharded
+from lightning_zero.zero.stage3 import state as sp_state
+from lightning_zero.zero.stage3.engine import ShardedParams
+from lightning_zero.zero.stage12 import ShardedOptimizer
+
+MODEL, OPTIMIZERS, SCHEDULERS = "state_dict", "optimizer_states", "lr_schedulers"
+PARAM_GROUPS = "optimizer_param_groups"  # sharded checkpoints: each optimizer's param_groups, in meta.pt
+
+
+class ZeroCheckpointer:
+    """Model and optimizer state of ``module`` under ``engine`` (``None``: stages 1 and 2 before or outside a fit,
+    when the model is whole and no optimizer is sharded), full or sharded per ``sharded``.
+
+    Every method is collective: each rank calls it, in the same order.
+    """
+
+    def __init__(self, module: nn.Module, engine: ShardedOptimizer | ShardedParams | None, sharded: bool) -> None:
+        self.module, self.engine, self.sharded = module, engine, sharded
+        self.params = engine if isinstance(engine, ShardedParams) else None
+
+    @property
+    def has_optimizer(self) -> bool:
+        return isinstance(self.engine, ShardedOptimizer) or (
+            self.params is not None and self.params.optimizer is not None
+        )
+
+    # ------------------------------------------------------------ saving
+    def model_state(self) -> dict[str, Any]:
+        """Stage 3: the weights gathered (full: rank 0) or as per-parameter DTensors; stages 1 and 2: the module's."""
+        if self.params is None:
+            return self.module.state_dict()
+        return sp_state.model_state_dict(self.params, sharded=self.sharded)
+
+    def optimizer_state(self) -> dict[str, Any]:
+        """This rank's share of the optimizer state (full: rank 0 holds all of it, in the unsharded format)."""
+        if self.params is not None:
+            return sp_state.optimizer_state_dict(self.params, sharded=self.sharded)
+        assert isinstance(self.engine, ShardedOptimizer)
+        return so_state.sharded_state_dict(self.engine) if self.sharded else so_state.full_state_dict(self.engine)
+
+    def save(self, checkpoint: dict[str, Any], path: str | Path, write_full: Callable[[dict[str, Any]], None]) -> None:
+        """Write ``checkpoint`` (the layout above): a DCP directory, or through ``write_full`` (rank 0's file)."""
+        if not self.sharded:
+            return write_full(checkpoint)
+        checkpoint = dict(checkpoint)
+        tensors: dict[str, Any] = {"model": checkpoint.pop(MODEL)}
+        optimizer_states = checkpoint.pop(OPTIMIZERS, [])
+        for i, state in enumerate(optimizer_states):
+            tensors[f"optimizer_{i}"] = {"state": state["state"]}
+        checkpoint[PARAM_GROUPS] = [state["param_groups"] for state in optimizer_states]
+        save_sharded(path, tensors, meta=checkpoint)
+
+    # ------------------------------------------------------------ loading
+    def load(self, path: str | Path, read_full: Callable[[str | Path], dict[str, Any]]) -> tuple[dict[str, Any], bool]:
+        """Load either kind, saved at any world size, into the engine's optimizer and, where the front end cannot
+        (sharded checkpoints, stage 3), into the model. Returns the checkpoint and whether the model was loaded: if
+        not, the front end loads ``checkpoint["state_dict"]`` with :meth:`load_model` (after its own hooks). A
+        sharded checkpoint comes back with this rank's pieces under ``"state_dict"`` and ``"optimizer_states"``."""
+        if not is_sharded_checkpoint(path):
+            checkpoint = read_full(path)
+            optimizer_state = (checkpoint.get(OPTIMIZERS) or [None])[0]
+            if self.params is not None:
+                sp_state.load_model_state_dict(self.params, checkpoint[MODEL])
+            if self.has_optimizer and optimizer_state:
+                self.load_optimizer(optimizer_state)
+            return checkpoint, self.params is not None
+        metadata = read_metadata(path)
+        # Stage 1/2: views of the parameters, loaded in place. Stage 3: per-parameter DTensors.
+        model_state = sp_state.model_template(self.params) if self.params is not None else self.module.state_dict()
+        for name, tensor in model_state.items():
+            item = metadata.state_dict_metadata.get(f"model.{name}")
+            if item is not None and tuple(item.size) != tuple(tensor.shape):
+                raise ValueError(
+                    f"checkpoint tensor {name!r} has shape {tuple(item.size)}, but the model's has shape"
+                    f" {tuple(tensor.shape)} (size mismatch): {path}"
+                )
+        tensors: dict[str, Any] = {"model": model_state}
+        if self.has_optimizer and any(fqn.startswith("optimizer_0.") for fqn in metadata.state_dict_metadata):
+            tensors["optimizer_0"] = (
+                sp_state.optimizer_template(self.params, metadata, "optimizer_0")
+                if self.params is not None
+                else so_state.sharded_template(self.engine, metadata, "optimizer_0")
+            )
+        checkpoint = load_sharded(path, tensors)
+        param_groups = checkpoint.pop(PARAM_GROUPS, [])
+        if self.params is not None:
+            sp_state.load_model_state_dict(self.params, model_state)
+        checkpoint[MODEL] = model_state
+        checkpoint[OPTIMIZERS] = []
+        if param_groups:
+            # A stateless optimizer (SGD without momentum) saves no tensor, but its hyper-parameters (the LR a
+            # scheduler has moved) are in meta.pt and must come back all the same.
+            checkpoint[OPTIMIZERS] = [{**tensors.get("optimizer_0", {"state": {}}), "param_groups": param_groups[0]}]
+        if self.has_optimizer and param_groups:
+            state = checkpoint[OPTIMIZERS][0]
+            if self.params is not None:
+                sp_state.load_optimizer_state_dict(self.params, state, param_groups[0])
+            else:
+                so_state.load_sharded_state_dict(self.engine, state, param_groups[0])
+        if isinstance(self.engine, ShardedOptimizer):
+            self.engine.sync_after_load()  # master shards and parameters agree again
+        return checkpoint, True
+
+    def load_optimizer(self, state: dict[str, Any]) -> None:
+        """An optimizer state in the unsharded optimizer's format (any world size) into the shards."""
+        if self.params is not None:
+            sp_state.load_optimizer_state_dict(self.params, state, state["param_groups"])
+        else:
+            so_state.load_full_state_dict(self.engine, state)
+
+    def load_model(self, state_dict: dict[str, Any], strict: bool = True) -> None:
+        """A full model state into the model (stage 3: into the shards; the names must match)."""
+        if self.params is not None:
+            return sp_state.load_model_state_dict(self.params, state_dict)
+        self.module.load_state_dict(state_dict, strict=strict)
+        if isinstance(self.engine, ShardedOptimizer):
+            self.engine.sync_after_load()  # master shards and parameters agree again
