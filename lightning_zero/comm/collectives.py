@@ -25,6 +25,10 @@ It has two jobs.
 
    NCCL (and any other backend) keeps the native ``reduce_scatter_single`` / ``all_gather_single``.
 
+3. **All-reduce algorithm.** ``all_reduce(..., algorithm=...)`` picks ``"native"`` (``dist.all_reduce``) or
+   ``"ring"`` (:func:`lightning_zero.comm.ring.ring_all_reduce`, see [Note: ring all-reduce]); ``None`` means
+   :data:`ALL_REDUCE_ALGORITHM`.
+
 Asynchronous calls return a :class:`Handle` whose ``wait()`` also runs any copy-out the substitute needs.
 """
 
@@ -44,6 +48,10 @@ ReduceOpName = str  # "sum" | "avg" | "max" | "min" | "product"
 # torch 2.13 renamed the flat collectives; the old names warn on every call.
 _reduce_scatter_native = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather_native = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+ALL_REDUCE_ALGORITHMS = ("native", "ring")
+ALL_REDUCE_ALGORITHM = "native"
+"""The algorithm of :func:`all_reduce` when the call names none (one of :data:`ALL_REDUCE_ALGORITHMS`)."""
 
 GLOO_SUBSTITUTE_MIN_BYTES = 4 * 2**20
 """Smallest message (reduce-scatter input, all-gather output) for which gloo uses the substitutes."""
@@ -171,12 +179,26 @@ def all_reduce(
     async_op: bool = False,
     tag: str = "",
     dtype: torch.dtype | None = None,
+    algorithm: str | None = None,
 ) -> Handle | None:
-    """In-place all-reduce of ``tensor``, communicated in ``dtype`` when given (a copy, cast back on completion)."""
+    """In-place all-reduce of ``tensor``, communicated in ``dtype`` when given (a copy, cast back on completion).
+
+    ``algorithm``: ``"native"`` or ``"ring"``, default :data:`ALL_REDUCE_ALGORITHM`. The ring is synchronous: with
+    ``async_op=True`` it has completed when the call returns, and the handle it returns is already finished.
+    """
+    algorithm = ALL_REDUCE_ALGORITHM if algorithm is None else algorithm
+    if algorithm not in ALL_REDUCE_ALGORITHMS:
+        raise ValueError(f"all_reduce algorithm {algorithm!r} is invalid: expected one of {ALL_REDUCE_ALGORITHMS}")
     wire = _in_dtype(tensor, dtype)
     if wire is not None:
-        handle = all_reduce(wire, op, group=group, async_op=True, tag=tag)
+        handle = all_reduce(wire, op, group=group, async_op=True, tag=tag, algorithm=algorithm)
         return _finish([handle], async_op, then=lambda: tensor.copy_(wire))
+    if algorithm == "ring":
+        from lightning_zero.comm.ring import ring_all_reduce  # imports this module
+
+        _op(op)  # the same error as the native path for an unknown name
+        ring_all_reduce(tensor, op, group=group, tag=tag)
+        return _finish([], async_op)
     reduce_op = _op(op)
     LEDGER.record("all_reduce", tag, _nbytes(tensor))
     work = dist.all_reduce(tensor, op=reduce_op, group=group, async_op=async_op)

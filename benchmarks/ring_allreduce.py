@@ -1,0 +1,145 @@
+"""gloo all-reduce: lightning_zero's ring (:mod:`lightning_zero.comm.ring`) vs the backend's ``dist.all_reduce``.
+
+Runbook (the script starts its own processes, one group per rank count; no torchrun)::
+
+    python benchmarks/ring_allreduce.py                          # 1..128 MiB fp32, 2, 3 and 4 ranks, 7 trials
+    python benchmarks/ring_allreduce.py --sizes 16 --ranks 2 --chunk-kib 64 256 1024 4096   # pick CHUNK_BYTES
+    python benchmarks/ring_allreduce.py --quick                  # smoke: tiny sizes, 2 ranks
+
+Why: ``collectives.all_reduce`` keeps ``algorithm="native"`` as its default until this measures the ring faster
+(see [Note: ring all-reduce]). For every rank count and size, after ``--warmup`` untimed trials, the trials are
+interleaved (native, ring, native, ring...) so machine drift hits both alike; every call starts after a barrier, a
+trial's time is the slowest rank's, and the table shows the median. Each rank runs one thread: compare rows of the
+same run, not across runs (loopback TCP varies up to 2x run to run). Before timing, the ring's result is checked
+against the native one on the benchmark data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import queue
+import socket
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from lightning_zero.comm import ring
+
+MIB = 2**20
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", type=float, nargs="+", default=[1, 4, 16, 64, 128], help="fp32 tensor, MiB")
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 3, 4], help="process counts")
+    parser.add_argument("--trials", type=int, default=7, help="timed trials per algorithm and size")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed trials per algorithm and size")
+    parser.add_argument(
+        "--chunk-kib", type=float, nargs="+", default=None, help="ring chunk sizes to compare (default: CHUNK_BYTES)"
+    )
+    parser.add_argument("--quick", action="store_true", help="smoke run: 0.25 and 1 MiB, 2 ranks, 3 trials")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.sizes, args.ranks, args.trials = [0.25, 1], [2], 3
+    args.chunks = [int(kib * 1024) for kib in args.chunk_kib] if args.chunk_kib else [ring.CHUNK_BYTES]
+    if args.trials < 1 or args.warmup < 0 or min(args.sizes) <= 0 or min(args.ranks) < 2 or min(args.chunks) < 1:
+        parser.error("--trials must be >= 1, --warmup >= 0, sizes and chunks > 0, ranks >= 2")
+    return args
+
+
+def algorithms(chunks: list[int]) -> list[str]:
+    return ["native", *(f"ring {chunk // 1024} KiB" for chunk in chunks)]
+
+
+def _worker(rank: int, world: int, port: int, args: argparse.Namespace, results: mp.Queue) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    names = algorithms(args.chunks)
+    runs = {"native": dist.all_reduce}
+    for name, chunk in zip(names[1:], args.chunks, strict=True):
+        runs[name] = lambda t, chunk=chunk: ring.ring_all_reduce(t, chunk_bytes=chunk, tag="bench")
+    generator = torch.Generator().manual_seed(rank)
+    times: dict[tuple[float, str], list[float]] = {}
+    for size in args.sizes:
+        src = torch.randn(int(size * MIB) // 4, generator=generator)
+        buffer = torch.empty_like(src)
+        expected = src.clone()
+        dist.all_reduce(expected)
+        for name in names[1:]:
+            buffer.copy_(src)
+            runs[name](buffer)
+            torch.testing.assert_close(buffer, expected, msg=lambda m, name=name: f"{name} != native: {m}")
+        for trial in range(args.warmup + args.trials):
+            for name in names:  # interleaved
+                buffer.copy_(src)  # untimed refill: both reduce in place
+                dist.barrier()
+                start = time.perf_counter()
+                runs[name](buffer)
+                elapsed = time.perf_counter() - start
+                if trial >= args.warmup:
+                    times.setdefault((size, name), []).append(elapsed)
+    gathered: list[dict[tuple[float, str], list[float]]] = [{} for _ in range(world)]
+    dist.all_gather_object(gathered, times)
+    if rank == 0:
+        results.put(gathered)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def measure(world: int, args: argparse.Namespace) -> dict[tuple[float, str], float]:
+    """``{(size, algorithm): median seconds}`` over ``world`` fresh processes; a trial counts its slowest rank."""
+    with socket.socket() as probe:  # a free port for the rendezvous
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    results = mp.get_context("spawn").Queue()
+    workers = mp.start_processes(_worker, args=(world, port, args, results), nprocs=world, join=False)
+    while True:
+        try:
+            gathered = results.get(timeout=1)
+            break
+        except queue.Empty:
+            if workers.join(timeout=0):  # raises when a worker failed
+                raise RuntimeError(f"the {world} workers exited without results") from None
+    while not workers.join():
+        pass
+    return {
+        key: statistics.median(max(ts) for ts in zip(*(g[key] for g in gathered), strict=True)) for key in gathered[0]
+    }
+
+
+def report(args: argparse.Namespace, results: dict[int, dict[tuple[float, str], float]]) -> None:
+    names = algorithms(args.chunks)
+    rings = names[1:]
+    header = ["ranks", "MiB", *(f"{name} ms" for name in names), *(f"{name} / native" for name in rings)]
+    print(f"\nmedian of {args.trials} interleaved trials (slowest rank), {args.warmup} warm-up; fp32, gloo, 1 thread")
+    print("| " + " | ".join(header) + " |")
+    print("|" + "|".join("---:" for _ in header) + "|")
+    for world, med in results.items():
+        for size in args.sizes:
+            ms = [f"{1e3 * med[(size, name)]:.2f}" for name in names]
+            ratios = [f"{med[(size, name)] / med[(size, 'native')]:.2f}" for name in rings]
+            print("| " + " | ".join([str(world), f"{size:g}", *ms, *ratios]) + " |")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    sizes = " ".join(f"{s:g}" for s in args.sizes)
+    chunks = " ".join(f"{c / 1024:g}" for c in args.chunks)
+    print(
+        f"reproduce: python benchmarks/ring_allreduce.py --sizes {sizes} --ranks {' '.join(map(str, args.ranks))}"
+        f" --trials {args.trials} --warmup {args.warmup} --chunk-kib {chunks}"
+    )
+    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs", flush=True)
+    results = {}
+    for world in args.ranks:
+        results[world] = measure(world, args)
+        print(f"{world} ranks: done, ring == native on the benchmark data", flush=True)
+    report(args, results)
+
+
+if __name__ == "__main__":
+    main()
