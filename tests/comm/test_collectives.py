@@ -50,7 +50,7 @@ def _collectives_worker(world_size: int) -> dict:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_gloo_substitutes_equal_native_ops_and_ledger_counts_inputs(world_size):
     results = run_workers(_collectives_worker, world_size, world_size)
     everyone = torch.stack([r["data"] for r in results])

@@ -200,7 +200,8 @@ def _ring_worker(n: int) -> dict:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("n", [2, pytest.param(3, marks=pytest.mark.slow), 4])  # 4 also runs rings of 2 and 3 in groups
+# 4 also runs rings of 2 and 3 in subgroups
+@pytest.mark.parametrize("n", [2, *(pytest.param(n, marks=pytest.mark.slow) for n in (3, 4))])
 def test_ring_equals_native_all_reduce_and_ledger_counts_wire_bytes(n):
     results = run_workers(_ring_worker, n, n, timeout=200)
     for rank, result in enumerate(results):

@@ -134,6 +134,7 @@ def _resume_at_three(directory: str) -> dict:
     return out
 
 
+@pytest.mark.slow  # by default: the same ZeroCheckpointer resharding in tests/strategies/test_zero*.py (Trainer)
 @pytest.mark.timeout(400)
 def test_a_checkpoint_of_two_ranks_resumes_on_three(tmp_path):
     """Saved by 2 ranks (sharded, or full from stage 1), loaded by 3, one more step on 3 ranks' data: the single-process
@@ -207,7 +208,9 @@ def _trainer_and_fabric(directory: str, name: str, kind: str) -> dict:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(("name", "kind"), [("zero2_scratch", "sharded"), ("zero3_scratch", "full")])
+@pytest.mark.parametrize(
+    ("name", "kind"), [("zero2_scratch", "sharded"), pytest.param("zero3_scratch", "full", marks=pytest.mark.slow)]
+)
 def test_trainer_and_fabric_checkpoints_load_in_each_other(tmp_path, name, kind):
     for rank_run in run_workers(_trainer_and_fabric, WORLD, str(tmp_path), name, kind, timeout=240):
         into_fabric, fabric, into_trainer = rank_run["into_fabric"], rank_run["fabric"], rank_run["into_trainer"]
