@@ -43,6 +43,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_zero.comm.quantize import dequantize, quantize
+
 ReduceOpName = str  # "sum" | "avg" | "max" | "min" | "product"
 
 # torch 2.13 renamed the flat collectives; the old names warn on every call.
@@ -319,6 +321,23 @@ def all_gather(
         src = r if group is None else dist.get_global_rank(group, r)
         works.append(dist.broadcast(flat.narrow(0, r * k, k), src=src, group=group, async_op=async_op))
     return _finish(works, async_op)
+
+
+def all_gather_quantized(output: Tensor, input: Tensor, block_size: int, *, group: Any = None, tag: str = "") -> None:
+    """:func:`all_gather` with the pieces sent as blockwise int8 (ZeRO++'s qwZ; [Note: blockwise quantization] in
+    ``lightning_zero/comm/quantize.py``): each rank quantizes its ``input``, the int8 values and fp32 scales are
+    all-gathered (about a quarter of the fp32 bytes, as the ledger records), and every piece is dequantized into
+    ``output``. Lossy, this rank's own piece included: each element within half a step of its block."""
+    n, k = world_size(group), input.numel()
+    if output.numel() != k * n:
+        raise ValueError(f"all_gather output has {output.numel()} elements: expected world_size={n} x input {k}")
+    values, scales = quantize(input, block_size)
+    all_values, all_scales = values.new_empty(n * values.numel()), scales.new_empty(n * scales.numel())
+    all_gather(all_values, values, group=group, tag=tag)
+    all_gather(all_scales, scales, group=group, tag=tag)
+    pieces = zip(all_values.view(n, -1), all_scales.view(n, -1), output.view(n, k))
+    for piece_values, piece_scales, out in pieces:
+        out.copy_(dequantize(piece_values, piece_scales, k, output.dtype))
 
 
 def all_gather_stack(tensor: Tensor, *, group: Any = None, sync_grads: bool = False, tag: str = "") -> Tensor:

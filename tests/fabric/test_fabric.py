@@ -208,3 +208,35 @@ def test_fabric_collectives_on_every_strategy():
             assert torch.equal(got["gathered"]["r"], torch.tensor([[1.0], [2.0]])), name
             assert torch.equal(got["gathered"]["pair"][:, :, 0], torch.tensor([[1.0, 10.0], [2.0, 20.0]])), name
             assert got["tensor"].item() == 2.0 and got["object"] == {"from": 0}, name
+
+
+def _separate_setup_value_clip(name: str, clip: bool = True) -> dict:
+    """``fabric.setup_module``, then the optimizer built over the set-up module and ``fabric.setup_optimizers`` (the
+    order FSDP asks for), and clipping by value."""
+    fabric = Fabric(accelerator="cpu", devices=WORLD, strategy=name)
+    fabric.launch()
+    model = fabric.setup_module(_net())
+    optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9))
+    for step in range(2):
+        x, y = _batch(fabric.global_rank, step, 0)
+        fabric.backward(F.mse_loss(model(x), y))
+        if clip:
+            fabric.clip_gradients(model, optimizer, clip_val=0.01)
+        optimizer.step()
+        optimizer.zero_grad()
+    engine = getattr(fabric.strategy, "engine", None)
+    with engine.summon_full_params() if hasattr(engine, "summon_full_params") else nullcontext():
+        return {k: v.detach().clone() for k, v in model.module.state_dict().items()}
+
+
+def _separate_setups() -> dict:
+    runs = {name: _separate_setup_value_clip(name) for name in ("ddp", *OURS, "robust_ddp_scratch")}
+    return {**runs, "unclipped": _separate_setup_value_clip("ddp", clip=False)}
+
+
+@pytest.mark.timeout(300)
+def test_setup_module_then_optimizers_and_clipping_by_value():
+    for rank_runs in run_workers(_separate_setups, WORLD, timeout=240):
+        for name in (*OURS, "robust_ddp_scratch"):
+            assert max_diff(rank_runs[name], rank_runs["ddp"]) <= TOLERANCE, name
+        assert max_diff(rank_runs["ddp"], rank_runs["unclipped"]) > 1e-2  # the clipping mattered
