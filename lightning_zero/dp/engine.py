@@ -15,15 +15,21 @@ The precision policy ([Note: precision policy] in ``lightning_zero/training/prec
 ``-true`` (or ``cast_module=True``) the module's parameters are low precision, the optimizer steps fp32 master copies
 (:class:`~lightning_zero.training.precision.MasterWeights`) and gradients accumulate in fp32 buckets (the reducer's
 accumulation buckets); otherwise the parameters are their own masters and ``p.grad`` is a view of its bucket.
+
+Gradient compression (``compression``, :mod:`lightning_zero.comm.powersgd`): one
+:class:`~lightning_zero.comm.powersgd.PowerSGDCompressor` for the engine's life, handed to every reducer it builds;
+when the buckets are rebuilt (the trainable parameters changed) its per-bucket memories start again.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from lightning_zero.comm.powersgd import CHECKPOINT_KEY, PowerSGDCompressor, PowerSGDConfig
 from lightning_zero.dp.reducer import GradientReducer
 from lightning_zero.training.precision import MasterWeights, PrecisionPolicy
 
@@ -36,13 +42,21 @@ class DataParallelEngine:
         policy: the run's precision policy.
         bucket_cap_bytes: cap of one gradient bucket.
         find_unused_parameters: see :class:`~lightning_zero.dp.reducer.GradientReducer`.
+        compression: PowerSGD's settings, or ``None`` for the plain all-reduce.
     """
 
     def __init__(
-        self, module: nn.Module, policy: PrecisionPolicy, *, bucket_cap_bytes: int, find_unused_parameters: bool
+        self,
+        module: nn.Module,
+        policy: PrecisionPolicy,
+        *,
+        bucket_cap_bytes: int,
+        find_unused_parameters: bool,
+        compression: PowerSGDConfig | None = None,
     ) -> None:
         self.module, self.policy = module, policy
         self.bucket_cap_bytes, self.find_unused_parameters = bucket_cap_bytes, find_unused_parameters
+        self.compressor = PowerSGDCompressor(compression) if compression is not None else None
         self._originals = self._cast_params()
         low = {p.dtype for p in module.parameters() if p.requires_grad and policy.master(p.dtype) is not None}
         self.master_dtype = policy.master_dtype if low else None
@@ -70,10 +84,13 @@ class DataParallelEngine:
             find_unused_parameters=self.find_unused_parameters,
             grad_dtype=self.master_dtype,  # masters: gradients accumulate in their dtype
             reduce_dtype=self.policy.reduce_dtype,
+            compressor=self.compressor,
         )
         if old is not None:  # rebuilt inside a run, maybe inside a no_sync window
             old.remove()
             self.reducer.require_backward_grad_sync = old.require_backward_grad_sync
+            if self.compressor is not None:
+                self.compressor.reset_buckets()
 
     def attach_optimizers(self, optimizers: list[Optimizer]) -> None:
         """Rebuild each optimizer's param groups over fp32 masters when the policy keeps them (no state yet)."""
@@ -121,6 +138,23 @@ class DataParallelEngine:
             master = state["state"].get(number, {}).pop("master", None)
             if master is not None:
                 p.data.copy_(master)
+
+    @property
+    def strategy_buffers(self) -> list[Tensor]:
+        """The reducer's buckets (while it exists) and the compressor's memories (kept for a checkpoint after fit)."""
+        buffers = self.reducer.buffers if self.reducer is not None else []
+        return buffers + (self.compressor.buffers if self.compressor is not None else [])
+
+    def compressor_state(self) -> dict[str, Any]:
+        """``{CHECKPOINT_KEY: compressor state}`` with compression, else ``{}``. A collective with compression."""
+        return {CHECKPOINT_KEY: self.compressor.state_dict()} if self.compressor is not None else {}
+
+    def load_compressor_state(self, checkpoint: Mapping[str, Any]) -> None:
+        """The compressor's state from a checkpoint that has it; a checkpoint without it leaves a fresh compressor,
+        a run without compression ignores it."""
+        state = checkpoint.get(CHECKPOINT_KEY)
+        if state is not None and self.compressor is not None:
+            self.compressor.load_state_dict(state)
 
     def remove(self) -> None:
         """The end of a run: hooks removed; a cast module gets the master values back in their dtype. The masters

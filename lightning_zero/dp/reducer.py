@@ -34,6 +34,12 @@ States of one backward pass (``require_backward_grad_sync`` decides which one a 
 - ACCUMULATING (inside ``no_sync()``): hooks only keep ``p.grad`` bound to the view. No collective at all.
 - REDUCING: hooks count ready parameters and launch buckets asynchronously; a callback queued on the autograd
   engine at the first hook runs when backward ends, waits for every bucket and resets the pass.
+
+[Note: compressed buckets]
+With a ``compressor`` (:class:`~lightning_zero.comm.powersgd.PowerSGDCompressor`, persistent buckets only) a bucket
+launched while ``compressor.compressing`` is averaged by the compressor instead of the plain all-reduce: synchronously,
+inside the launch (its handle is already finished). After the last bucket of every synchronised pass the compressor
+counts one iteration, so passes inside ``no_sync()`` count nothing, as with torch DDP's ``no_sync``.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ from torch import Tensor, nn
 
 from lightning_zero.comm import collectives as comm
 from lightning_zero.comm.bucketing import assign_buckets
+from lightning_zero.comm.powersgd import PowerSGDCompressor
 from lightning_zero.dp.unused import unused_error
 
 POOL_SIZE = 2
@@ -96,6 +103,8 @@ class GradientReducer:
         group: process group (``None``: the default group).
         tag: ledger tag of the gradient all-reduces.
         reduce_dtype: the dtype the buckets are all-reduced in (``None``: their own); the result is cast back.
+        compressor: averages the buckets instead of the plain all-reduce once it is ``compressing`` ([Note:
+            compressed buckets]); persistent buckets only.
     """
 
     def __init__(
@@ -110,7 +119,13 @@ class GradientReducer:
         group: Any = None,
         tag: str = "grads",
         reduce_dtype: torch.dtype | None = None,
+        compressor: PowerSGDCompressor | None = None,
     ) -> None:
+        if compressor is not None and transient:
+            raise ValueError(
+                "gradient compression needs persistent buckets (transient=False): its error feedback is per bucket"
+                " and outlives the pass"
+            )
         self._params = list(params)
         self._names = list(names)
         self._buckets = list(buckets)
@@ -127,6 +142,7 @@ class GradientReducer:
         self.group = group
         self.tag = tag
         self.reduce_dtype = reduce_dtype
+        self.compressor = compressor
         self.require_backward_grad_sync = True
 
         self._bucket_of = [0] * len(self._params)
@@ -134,6 +150,11 @@ class GradientReducer:
         for b, bucket in enumerate(self._buckets):
             for slot, i in enumerate(bucket.indices):
                 self._bucket_of[i], self._slot_of[i] = b, slot
+        # (offset, shape) of each bucket's members in buffer order: what the compressor views as its tensors.
+        self._members = [
+            sorted((offset, tuple(self._params[i].shape)) for i, offset in zip(b.indices, b.offsets))
+            for b in self._buckets
+        ]
         # Accumulation buckets ([Note: tensor roles]): the gradient is cast into the bucket, p.grad dropped.
         self._cast = [p.dtype != self._buckets[b].dtype for p, b in zip(self._params, self._bucket_of)]
         self._in_buffer = [False] * len(self._params)  # its gradient of this window is in its bucket's buffer
@@ -296,12 +317,20 @@ class GradientReducer:
     def _launch_ready_buckets(self) -> None:
         # [Note: launch order]: never skip ahead of an unlaunched bucket.
         while self._next_launch < len(self._buckets) and self._pending[self._next_launch] == 0:
-            bucket = self._buckets[self._next_launch]
-            handle = comm.all_reduce(
-                bucket.buffer, "avg", group=self.group, async_op=True, tag=self.tag, dtype=self.reduce_dtype
-            )
+            b = self._next_launch
+            bucket = self._buckets[b]
+            compressor = self.compressor
+            if compressor is not None and compressor.compressing:  # [Note: compressed buckets]
+                compressor.all_reduce(b, bucket.buffer, self._members[b])
+                handle = comm.Handle()
+            else:
+                handle = comm.all_reduce(
+                    bucket.buffer, "avg", group=self.group, async_op=True, tag=self.tag, dtype=self.reduce_dtype
+                )
             self._in_flight.append((bucket, handle))
             self._next_launch += 1
+            if compressor is not None and self._next_launch == len(self._buckets):
+                compressor.end_iteration()
 
     def _drain(self, keep: int) -> None:
         """Wait for the oldest launched buckets until at most ``keep`` remain; consume (and release) them."""

@@ -9,11 +9,14 @@ Runbook::
     with fabric.no_backward_sync(model, enabled=not boundary):  # accumulates, communicates nothing
         fabric.backward(loss)
 
-The module is not wrapped: gradients are averaged by autograd hooks while backward runs.
+The module is not wrapped: gradients are averaged by autograd hooks while backward runs. With
+``grad_compression="powersgd"`` ``fabric.save`` carries every rank's compressor state (``fabric.load`` puts it back;
+a checkpoint without it leaves a fresh compressor), as the Trainer's ``ddp_scratch`` does.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -21,6 +24,7 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_zero.comm.powersgd import CHECKPOINT_KEY, compression_config
 from lightning_zero.dp.engine import DataParallelEngine
 from lightning_zero.fabric.base import ScratchFabricStrategy
 from lightning_zero.training.distributed import DDP_NAMES, check_bucket_size
@@ -31,16 +35,27 @@ class ScratchDDPStrategy(ScratchFabricStrategy):
 
     Args:
         bucket_size_mb: cap of one gradient bucket in MiB (> 0).
+        grad_compression, powersgd: gradient compression, as for the Trainer's
+            :class:`~lightning_zero.strategies.ddp.ScratchDDPStrategy`.
         **kwargs: see :class:`~lightning_zero.fabric.base.ScratchFabricStrategy`.
     """
 
     strategy_name = "ddp_scratch"
     registered_names = DDP_NAMES
 
-    def __init__(self, bucket_size_mb: float = 25, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        bucket_size_mb: float = 25,
+        grad_compression: str | None = None,
+        powersgd: Mapping[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
         check_bucket_size(bucket_size_mb)
         super().__init__(**kwargs)
         self.bucket_size_mb = bucket_size_mb
+        self.compression = compression_config(
+            grad_compression, powersgd, reduce_dtype=self._precision_settings["reduce_dtype"]
+        )
         self.engine: DataParallelEngine | None = None
 
     @override
@@ -51,6 +66,7 @@ class ScratchDDPStrategy(ScratchFabricStrategy):
             self.precision_policy,
             bucket_cap_bytes=int(self.bucket_size_mb * 2**20),
             find_unused_parameters=self.find_unused_parameters,
+            compression=self.compression,
         )
         return module
 
@@ -90,3 +106,16 @@ class ScratchDDPStrategy(ScratchFabricStrategy):
         if self.engine is not None:
             self.engine.load_masters_from_state(optimizer, state)
         optimizer.load_state_dict(state)
+
+    # ------------------------------------------------------------ checkpoints
+    @override
+    def _strategy_state(self) -> dict[str, Any]:
+        """Every rank's compressor state, with compression (a collective: every rank must call it)."""
+        return self.engine.compressor_state() if self.engine is not None else {}
+
+    @override
+    def _load_strategy_state(self, checkpoint: dict[str, Any]) -> None:
+        """The compressor's state, if the checkpoint has it (popped either way, so it is not handed back)."""
+        state = checkpoint.pop(CHECKPOINT_KEY, None)
+        if state is not None and self.engine is not None:
+            self.engine.load_compressor_state({CHECKPOINT_KEY: state})

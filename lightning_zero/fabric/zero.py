@@ -30,6 +30,7 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_zero.comm.powersgd import refuse_on_zero
 from lightning_zero.fabric.base import ScratchFabricStrategy
 from lightning_zero.training.distributed import ZERO_NAMES
 from lightning_zero.zero.checkpoint import is_sharded_checkpoint
@@ -48,13 +49,15 @@ class ZeroStrategy(ScratchFabricStrategy):
         **kwargs: ``grad_sync``, ``bucket_size_mb``, ``state_dict_type``, ``auto_wrap_policy``, ``min_num_params``,
             ``reshard_after_forward``, ``model_init``, ``grad_accum_dtype`` as for the Trainer's
             :class:`~lightning_zero.strategies.zero.ZeroStrategy`, and those of
-            :class:`~lightning_zero.fabric.base.ScratchFabricStrategy`.
+            :class:`~lightning_zero.fabric.base.ScratchFabricStrategy`. ``grad_compression`` is refused
+            (``ddp_scratch`` only; ``None`` passes).
     """
 
     shards_parameters = True
     registered_names = ZERO_NAMES
 
     def __init__(self, stage: int = 2, **kwargs: Any) -> None:
+        refuse_on_zero(f"zero{stage}_scratch", kwargs)
         zero = {name: kwargs.pop(name) for name in ZeroSettings.__dataclass_fields__ if name in kwargs}
         settings = ZeroSettings.check(stage=stage, **zero)
         super().__init__(**kwargs)

@@ -15,6 +15,11 @@ Mixed precision ([Note: precision policy] in ``lightning_zero/training/precision
 under ``bf16-true``/ ``16-true`` (or with ``cast_module=True``) the optimizer steps fp32 master copies
 (:class:`~lightning_zero.training.precision.MasterWeights`), gradients accumulate in fp32 buckets, and the checkpoint's
 optimizer state carries each parameter's ``"master"``.
+
+Gradient compression: ``grad_compression="powersgd"`` averages the buckets with PowerSGD
+(:mod:`lightning_zero.comm.powersgd`) once ``start_iter`` optimizer steps have been all-reduced plainly. Checkpoints
+(not weights-only ones) carry every rank's error feedback and Q memory under ``"powersgd_compressor"``, so a resume
+is bit-identical; a checkpoint without that entry resumes with a fresh compressor.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_zero.comm.powersgd import compression_config
 from lightning_zero.dp.engine import DataParallelEngine
 from lightning_zero.dp.reducer import GradientReducer
 from lightning_zero.strategies.base import ScratchParallelStrategy
@@ -41,6 +47,11 @@ class ScratchDDPStrategy(ScratchParallelStrategy):
 
     Args:
         bucket_size_mb: cap of one gradient bucket in MiB (> 0). 25 balances overlap against per-call overhead.
+        grad_compression: ``None`` (the plain average) or ``"powersgd"``.
+        powersgd: PowerSGD's options (:class:`~lightning_zero.comm.powersgd.PowerSGDConfig`: ``rank``,
+            ``start_iter``, ``min_compression_rate``, ``warm_start``, ``error_feedback``, ``seed``,
+            ``orthogonalization_epsilon``; torch's defaults), with ``grad_compression="powersgd"`` only. Not with a
+            ``reduce_dtype`` other than ``"auto"``/``None``.
         **kwargs: see :class:`~lightning_zero.strategies.base.ScratchParallelStrategy` (``find_unused_parameters``,
             ``broadcast_buffers``, ``process_group_backend``, ``timeout``, ``start_method``, ...).
     """
@@ -48,10 +59,19 @@ class ScratchDDPStrategy(ScratchParallelStrategy):
     strategy_name = "ddp_scratch"
     registered_names = DDP_NAMES
 
-    def __init__(self, bucket_size_mb: float = 25, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        bucket_size_mb: float = 25,
+        grad_compression: str | None = None,
+        powersgd: Mapping[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
         check_bucket_size(bucket_size_mb)
         super().__init__(**kwargs)
         self.bucket_size_mb = bucket_size_mb
+        self.compression = compression_config(
+            grad_compression, powersgd, reduce_dtype=self._precision_settings["reduce_dtype"]
+        )
         self._engine: DataParallelEngine | None = None  # of the current (or last) fit
 
     @property
@@ -62,8 +82,9 @@ class ScratchDDPStrategy(ScratchParallelStrategy):
     @property
     @override
     def strategy_buffers(self) -> list[Tensor]:
-        """The reducer's gradient buckets while fitting (gradients are views into them), else none."""
-        return self.reducer.buffers if self.reducer is not None else []
+        """The reducer's gradient buckets while fitting (gradients are views into them) and the compressor's
+        memories, else none."""
+        return self._engine.strategy_buffers if self._engine is not None else []
 
     @override
     def model_state_params(self) -> list[Tensor]:
@@ -82,6 +103,7 @@ class ScratchDDPStrategy(ScratchParallelStrategy):
                 self.precision_policy,
                 bucket_cap_bytes=int(self.bucket_size_mb * 2**20),
                 find_unused_parameters=self.find_unused_parameters,
+                compression=self.compression,
             )
             self._record_trainable()
             self.setup_optimizers(trainer)
@@ -134,7 +156,16 @@ class ScratchDDPStrategy(ScratchParallelStrategy):
         if self._engine is not None:
             for optimizer, state in zip(self.optimizers, checkpoint.get("optimizer_states", [])):
                 self._engine.load_masters_from_state(optimizer, state)
+            self._engine.load_compressor_state(checkpoint)
         super().load_optimizer_state_dict(checkpoint)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """With compression, every rank's compressor state joins the checkpoint first (a collective: Lightning calls
+        this on every rank); not in weights-only checkpoints."""
+        if "optimizer_states" in checkpoint and self._engine is not None:
+            checkpoint.update(self._engine.compressor_state())
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
     def teardown(self) -> None:

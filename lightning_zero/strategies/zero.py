@@ -44,6 +44,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_zero.comm.powersgd import refuse_on_zero
 from lightning_zero.strategies.base import ScratchParallelStrategy, SpawnLauncher
 from lightning_zero.training.distributed import ZERO_NAMES
 from lightning_zero.zero.checkpointing import ZeroCheckpointer
@@ -99,7 +100,8 @@ class ZeroStrategy(ScratchParallelStrategy):
             accounting (2-byte parameters and gradients); accumulation across micro-batches then rounds to bf16.
         **kwargs: see :class:`~lightning_zero.strategies.base.ScratchParallelStrategy` (``find_unused_parameters``,
             ``broadcast_buffers``, the precision settings ``param_dtype``, ``reduce_dtype``, ``cast_module`` and
-            ``master_weights``, ``process_group_backend``, ``timeout``, ``start_method``).
+            ``master_weights``, ``process_group_backend``, ``timeout``, ``start_method``). ``grad_compression`` is
+            refused (``ddp_scratch`` only; ``None`` passes).
     """
 
     shards_parameters = True
@@ -118,6 +120,7 @@ class ZeroStrategy(ScratchParallelStrategy):
         grad_accum_dtype: str | torch.dtype | None = None,
         **kwargs: Any,
     ) -> None:
+        refuse_on_zero(f"zero{stage}_scratch", kwargs)
         settings = ZeroSettings.check(
             stage=stage,
             grad_sync=grad_sync,

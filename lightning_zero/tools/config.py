@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_zero.comm.powersgd import compression_config
 from lightning_zero.robust.aggregation import RobustAggregator
 from lightning_zero.robust.engine import check_precision_settings, check_workers
 from lightning_zero.training.distributed import START_METHODS
@@ -84,12 +85,18 @@ class ScratchDDPStrategyConf:
     process_group_backend: Optional[str] = None
     timeout: float = 1800.0
     start_method: str = "popen"
+    grad_compression: Optional[str] = None
+    powersgd: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _check_bucket(self.bucket_size_mb)
         _check_common(self.process_group_backend, self.timeout, self.start_method)
         _check_precision_settings(self)
         _check_module_classes(self)
+        try:
+            compression_config(self.grad_compression, self.powersgd, reduce_dtype=self.reduce_dtype)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
 
 
 @dataclass

@@ -82,18 +82,17 @@ class ZeroCheckpointer:
 
     # ------------------------------------------------------------ loading
     def load(self, path: str | Path, read_full: Callable[[str | Path], dict[str, Any]]) -> tuple[dict[str, Any], bool]:
-        """Load either kind, saved at any world size, into the engine's optimizer and, where the front end cannot
-        (sharded checkpoints, stage 3), into the model. Returns the checkpoint and whether the model was loaded: if
-        not, the front end loads ``checkpoint["state_dict"]`` with :meth:`load_model` (after its own hooks). A
-        sharded checkpoint comes back with this rank's pieces under ``"state_dict"`` and ``"optimizer_states"``."""
+        """Load either kind, saved at any world size, into the engine's optimizer and, for sharded checkpoints, into
+        the model (in place, strictly: DCP reads each tensor the model has). Returns the checkpoint and whether the
+        model was loaded: if not (full files), the front end loads ``checkpoint["state_dict"]`` with
+        :meth:`load_model`, with its own hooks and strictness. A sharded checkpoint comes back with this rank's pieces
+        under ``"state_dict"`` and ``"optimizer_states"``."""
         if not is_sharded_checkpoint(path):
             checkpoint = read_full(path)
             optimizer_state = (checkpoint.get(OPTIMIZERS) or [None])[0]
-            if self.params is not None:
-                sp_state.load_model_state_dict(self.params, checkpoint[MODEL])
             if self.has_optimizer and optimizer_state:
                 self.load_optimizer(optimizer_state)
-            return checkpoint, self.params is not None
+            return checkpoint, False  # the front end loads the model, with its strictness, through load_model
         metadata = read_metadata(path)
         # Stage 1/2: views of the parameters, loaded in place. Stage 3: per-parameter DTensors.
         model_state = sp_state.model_template(self.params) if self.params is not None else self.module.state_dict()
@@ -139,9 +138,9 @@ class ZeroCheckpointer:
             so_state.load_full_state_dict(self.engine, state)
 
     def load_model(self, state_dict: dict[str, Any], strict: bool = True) -> None:
-        """A full model state into the model (stage 3: into the shards; the names must match)."""
+        """A full model state into the model (stage 3: into the shards), as ``nn.Module.load_state_dict`` would."""
         if self.params is not None:
-            return sp_state.load_model_state_dict(self.params, state_dict)
+            return sp_state.load_model_state_dict(self.params, state_dict, strict)
         self.module.load_state_dict(state_dict, strict=strict)
         if isinstance(self.engine, ShardedOptimizer):
             self.engine.sync_after_load()  # master shards and parameters agree again

@@ -95,7 +95,7 @@ def test_loading_builds_only_this_ranks_optimizer_state(tmp_path, monkeypatch, s
     """Each rank's extra memory while loading is its own shard of AdamW's moments (8Ψ/N, created by the load) plus
     about one block, not the whole optimizer state (8Ψ) or the whole file (12Ψ) as a plain ``torch.load`` gives."""
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
-    results = run_workers(_load_peak, 2, stage, str(tmp_path / "full.ckpt"), timeout=500)
+    results = run_workers(_load_peak, 2, stage, str(tmp_path / "full.ckpt"), timeout=500, start_method="spawn")
     psi = BLOCKS * (WIDTH * WIDTH + WIDTH)
     for result in results:
         assert result["extra"] <= 8 * psi / 2 + 2 * UNIT_BYTES + 4 * MiB, (result["extra"] / MiB, 8 * psi / MiB)
@@ -106,7 +106,7 @@ def test_loading_builds_only_this_ranks_optimizer_state(tmp_path, monkeypatch, s
 def test_only_rank_zero_holds_the_full_state_while_saving(tmp_path, monkeypatch, stage):
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")  # read by the workers' glibc at start
     path = str(tmp_path / "full.ckpt")
-    results = run_workers(_save_peak, 2, stage, path, timeout=500)
+    results = run_workers(_save_peak, 2, stage, path, timeout=500, start_method="spawn")
     psi = BLOCKS * (WIDTH * WIDTH + WIDTH)
     full_state = 12 * psi  # fp32 weights + AdamW's two moments: what a rank gathering everything would hold
     lender = next(r for r in results if r["rank"] == 1)

@@ -80,6 +80,20 @@ def test_module_class_settings_take_import_paths(compose_cfg) -> None:
     assert strategy.auto_wrap_policy == strategy.activation_checkpointing_policy == {Block}
 
 
+def test_powersgd_options_compose_and_reach_the_strategy(compose_cfg) -> None:
+    """``strategy.powersgd`` is a dict (empty: torch's defaults); options are added with a ``+``."""
+    cfg = compose_cfg(
+        "strategy=ddp_scratch",
+        "strategy.grad_compression=powersgd",
+        "+strategy.powersgd.rank=2",
+        "+strategy.powersgd.start_iter=10",
+    )
+    validate_config(cfg)
+    strategy = instantiate(cfg.strategy)
+    assert (strategy.compression.rank, strategy.compression.start_iter) == (2, 10)
+    assert instantiate(compose_cfg("strategy=ddp_scratch").strategy).compression is None
+
+
 def test_lightning_ddp_config_instantiates(compose_cfg) -> None:
     from lightning.pytorch.strategies import DDPStrategy
 
@@ -150,6 +164,26 @@ def test_callbacks_and_logger_instantiate(compose_cfg, tmp_path: Path) -> None:
         (
             ["strategy=robust_ddp_scratch", "strategy.cast_module=true", "trainer.precision=bf16-mixed"],
             "robust_ddp_scratch keeps no fp32 master weights",
+        ),
+        (
+            ["strategy=ddp_scratch", "strategy.grad_compression=zip"],
+            "grad_compression='zip' is invalid: expected None or one of ('powersgd',)",
+        ),
+        (
+            ["strategy=ddp_scratch", "+strategy.powersgd.rank=2"],
+            "powersgd={'rank': 2} is set but grad_compression=None",
+        ),
+        (
+            ["strategy=ddp_scratch", "strategy.grad_compression=powersgd", "+strategy.powersgd.rank=0"],
+            "powersgd rank=0 is invalid: expected an integer >= 1",
+        ),
+        (
+            ["strategy=ddp_scratch", "strategy.grad_compression=powersgd", "+strategy.powersgd.rnak=2"],
+            "powersgd has unknown options ['rnak']: expected some of ['rank', 'start_iter'",
+        ),
+        (
+            ["strategy=ddp_scratch", "strategy.grad_compression=powersgd", "strategy.reduce_dtype=bf16"],
+            "reduce_dtype='bf16' cannot be combined with grad_compression='powersgd'",
         ),
     ],
 )

@@ -114,12 +114,23 @@ def model_template(engine: ShardedParams) -> dict[str, Any]:
     return out
 
 
-def load_model_state_dict(engine: ShardedParams, state: dict[str, Any]) -> None:
-    """Load a full or sharded model state (any world size) into the shards; buffers are copied."""
+def load_model_state_dict(engine: ShardedParams, state: dict[str, Any], strict: bool = True) -> None:
+    """Load a full or sharded model state (any world size) into the shards; buffers are copied. ``strict``: the keys
+    must be the module's state-dict keys exactly (as ``nn.Module.load_state_dict`` checks them), checked before any
+    weight changes; otherwise what is missing keeps its value and what is unexpected is ignored."""
+    if strict:
+        with engine.reading_placeholders():
+            expected = set(engine.module.state_dict(keep_vars=True))
+        missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+        if missing or unexpected:
+            raise ValueError(
+                f"the checkpoint's model state does not match the model (strict loading): missing keys {missing},"
+                f" unexpected keys {unexpected}"
+            )
     for segment in engine.segments:
         for i, (p, name) in enumerate(zip(segment.params, segment.names)):
             if name not in state:
-                raise ValueError(f"the checkpoint has no tensor {name!r} for the model's parameter of that name")
+                continue  # strict=False
             value = _full(state[name])
             if value.shape != p.shape:
                 raise ValueError(
