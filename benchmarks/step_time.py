@@ -25,6 +25,9 @@ are meaningful: absolute times move ~20% between runs on this machine.
 Candidates:
 
 - ``ddp_scratch``: :class:`lightning_zero.ScratchDDPStrategy` (bucketed all-reduce overlapped with backward).
+- ``ddp_scratch_bf16comm``, ``ddp_scratch_powersgd``: ``ddp_scratch`` with a communication option (README
+  "Communication options"): ``reduce_dtype="bf16"`` (gradients averaged in bf16, 2Ψ bytes per step), or PowerSGD at
+  rank 4 from the first step (:data:`POWERSGD`); the traffic line compares the ledger with each option's theory.
 - ``ddp``: Lightning's built-in ``DDPStrategy()`` (torch ``DistributedDataParallel``), defaults.
 - ``nocomm``: ``ScratchDDPStrategy`` with gradient sync switched off for every step: the same per-rank work (the
   reducer's hooks still copy gradients into its buckets) with no collective at all. ``x - nocomm`` is the cost of
@@ -114,6 +117,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_zero import ScratchDDPStrategy, ZeroStrategy
 from lightning_zero.comm.collectives import LEDGER
+from lightning_zero.comm.powersgd import PowerSGDConfig, compressed_step_bytes
 from lightning_zero.training.memory import ModelStateBytes, strategy_model_state_bytes, zero_model_state_bytes
 from lightning_zero.training.precision import LOW_PRECISION
 
@@ -124,6 +128,8 @@ except ImportError:
 
 CANDIDATES = (
     "ddp_scratch",
+    "ddp_scratch_bf16comm",
+    "ddp_scratch_powersgd",
     "ddp",
     "nocomm",
     "zero1_scratch",
@@ -135,7 +141,13 @@ CANDIDATES = (
 DEFAULT_CANDIDATES = ("ddp_scratch", "ddp", "nocomm")  # the DDP figures; independent of --preset
 PEERS = ("ddp", "nocomm", "ddp_zero_redundancy", "fsdp2")  # ratio columns, when present
 ZERO_CANDIDATES = ("zero1_scratch", "zero2_scratch", "zero3_scratch")
-LEDGER_CANDIDATES = ("ddp_scratch", *ZERO_CANDIDATES)  # communicate through lightning_zero.comm.collectives
+COMM_OPTIONS = ("ddp_scratch_bf16comm", "ddp_scratch_powersgd")  # README "Communication options"
+POWERSGD = {"rank": 4, "start_iter": 0}  # compress from the first step: every timed step is a compressed one
+LEDGER_CANDIDATES = (
+    "ddp_scratch",
+    *COMM_OPTIONS,
+    *ZERO_CANDIDATES,
+)  # communicate through lightning_zero.comm.collectives
 PRECISIONS = ("32-true", "bf16-mixed")  # those the model-state table below covers
 # Parameter all-gathers per optimizer step, in units of Ψ elements: once after the step (stages 1 and 2), before each
 # unit's forward and again before its backward (stage 3). Each element is sent in the stages' default param_dtype.
@@ -150,6 +162,8 @@ HIDDEN_BUFFERS = {
 # (0: plain data parallelism) that shards each candidate's states ...
 STAGES = {
     "ddp_scratch": 0,
+    "ddp_scratch_bf16comm": 0,
+    "ddp_scratch_powersgd": 0,  # + PowerSGD's error feedback (4Ψ) and Q memories, in the strategy buffers
     "ddp": 0,
     "zero1_scratch": 1,
     "ddp_zero_redundancy": 1,
@@ -232,8 +246,9 @@ class CommProbe(L.Callback):
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         stats = self.stats
-        stats.grad_bytes = LEDGER.bytes("all_reduce", "grads") + LEDGER.bytes("reduce_scatter", "grads")
-        stats.grad_calls = LEDGER.calls("all_reduce", "grads") + LEDGER.calls("reduce_scatter", "grads")
+        # "grads", and PowerSGD's "grads_powersgd_p"/"_q"/"_uncompressed"
+        grads = [v for (op, tag), v in LEDGER.summary().items() if op != "send" and tag.startswith("grads")]
+        stats.grad_calls, stats.grad_bytes = sum(c for c, _ in grads), sum(b for _, b in grads)
         stats.param_bytes = LEDGER.bytes("all_gather", "params")
         stats.steps = trainer.global_step
         if not self.measure_memory:
@@ -250,6 +265,10 @@ class CandidateResult:
 def make_strategy(name: str, bucket_size_mb: float, world_size: int) -> Strategy:
     if name == "ddp_scratch":
         return ScratchDDPStrategy(bucket_size_mb=bucket_size_mb)
+    if name == "ddp_scratch_bf16comm":
+        return ScratchDDPStrategy(bucket_size_mb=bucket_size_mb, reduce_dtype="bf16")
+    if name == "ddp_scratch_powersgd":
+        return ScratchDDPStrategy(bucket_size_mb=bucket_size_mb, grad_compression="powersgd", powersgd=POWERSGD)
     if name == "ddp":
         return DDPStrategy()  # Lightning's defaults (25 MiB buckets, no gradient_as_bucket_view)
     if name == "nocomm":
@@ -473,6 +492,9 @@ def report(
                 f"{name} per step: gradient reduction {grads / MIB:.2f} MiB in {stats.grad_calls / stats.steps:g}"
                 f" calls = {grads / (4 * psi):.4f} x 4Ψ"
             )
+            theory = grad_theory(name, config)
+            if theory is not None:
+                line += f" = {grads / theory:.4f} x its theory ({theory / MIB:.2f} MiB)"
             if name in PARAM_GATHERS:
                 params = stats.param_bytes / stats.steps
                 units = PARAM_GATHERS[name] * gather_bytes
@@ -480,6 +502,16 @@ def report(
             print(f"{line} (bucket cap {args.bucket_size_mb:g} MiB)")
         if name in STAGES:
             print(memory_line(name, args.precision, psi, world, gathered_memory))
+
+
+def grad_theory(name: str, config: GPTConfig) -> float | None:
+    """Gradient bytes per step of a communication option ([Note: PowerSGD, one bucket] for PowerSGD's)."""
+    params = [p for p in GPT(config).parameters() if p.requires_grad]
+    if name == "ddp_scratch_bf16comm":
+        return 2 * sum(p.numel() for p in params)
+    if name == "ddp_scratch_powersgd":
+        return compressed_step_bytes([tuple(p.shape) for p in params], PowerSGDConfig.from_options(POWERSGD))
+    return None
 
 
 def memory_line(

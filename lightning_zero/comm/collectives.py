@@ -1,12 +1,14 @@
 """The collectives shim: every collective that lightning_zero issues goes through this module.
 
-It has two jobs.
+It has these jobs.
 
 1. **The communication ledger.** Each call is recorded in :data:`LEDGER` as ``(op, tag, bytes)``, where ``bytes``
    is the size of the *input* this rank contributes, except for all-gathers, which record the gathered *output*
    (an all-reduce of a 100 MiB bucket records 100 MiB whatever the algorithm puts on the wire; gathering a 100 MiB
-   parameter from N shards records 100 MiB). Tests and benchmarks read it to prove, for example, that a non-boundary
-   micro-batch communicates nothing. Tags name the purpose (``"grads"``, ``"sync_states"``, ``"log"``...).
+   parameter from N shards records 100 MiB). The quantized collectives record what goes on the wire in those terms:
+   int8 values plus fp32 scales (:func:`all_gather_quantized`, :func:`reduce_scatter_quantized`). Tests and
+   benchmarks read it to prove, for example, that a non-boundary micro-batch communicates nothing. Tags name the
+   purpose (``"grads"``, ``"sync_states"``, ``"log"``...).
 
 2. **Primitive choice per backend.** [Note: gloo substitutes] On gloo (torch 2.13) ``reduce_scatter`` is a clone
    plus a full all-reduce plus a copy, and ``all_gather_into_tensor`` allocates a full-size temporary; both are slower
@@ -29,7 +31,11 @@ It has two jobs.
    ``"ring"`` (:func:`lightning_zero.comm.ring.ring_all_reduce`, see [Note: ring all-reduce]); ``None`` means
    :data:`ALL_REDUCE_ALGORITHM`.
 
-Asynchronous calls return a :class:`Handle` whose ``wait()`` also runs any copy-out the substitute needs.
+4. **Quantized collectives** (ZeRO++'s qwZ and qgZ, [Note: quantized reduce-scatter]): :func:`all_gather_quantized`
+   and :func:`reduce_scatter_quantized` send blockwise int8 with fp32 scales and dequantize on completion.
+
+Asynchronous calls return a :class:`Handle` whose ``wait()`` also runs any copy-out (or dequantization) the call
+needs.
 """
 
 from __future__ import annotations
@@ -43,7 +49,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_zero.comm.quantize import dequantize, quantize
+from lightning_zero.comm.quantize import dequantize, pack, quantize, unpack
 
 ReduceOpName = str  # "sum" | "avg" | "max" | "min" | "product"
 
@@ -323,21 +329,81 @@ def all_gather(
     return _finish(works, async_op)
 
 
-def all_gather_quantized(output: Tensor, input: Tensor, block_size: int, *, group: Any = None, tag: str = "") -> None:
+def all_gather_quantized(
+    output: Tensor,
+    input: Tensor,
+    block_size: int,
+    *,
+    group: Any = None,
+    async_op: bool = False,
+    tag: str = "",
+    dtype: torch.dtype | None = None,
+) -> Handle | None:
     """:func:`all_gather` with the pieces sent as blockwise int8 (ZeRO++'s qwZ; [Note: blockwise quantization] in
-    ``lightning_zero/comm/quantize.py``): each rank quantizes its ``input``, the int8 values and fp32 scales are
-    all-gathered (about a quarter of the fp32 bytes, as the ledger records), and every piece is dequantized into
-    ``output``. Lossy, this rank's own piece included: each element within half a step of its block."""
+    ``lightning_zero/comm/quantize.py``): each rank quantizes its ``input`` (k elements), the packed values and
+    scales are all-gathered in one call (the ledger records ``N * (k + 4 * ceil(k / block_size))`` bytes, about a
+    quarter of fp32), and on completion every piece, this rank's own included, is dequantized into ``output`` (so
+    every rank holds the same values), rounded to ``dtype`` on the way when given (e.g. bf16 values in an fp32
+    ``output``, as :func:`all_gather` gives them). Lossy: each element within half a step of its block."""
     n, k = world_size(group), input.numel()
     if output.numel() != k * n:
         raise ValueError(f"all_gather output has {output.numel()} elements: expected world_size={n} x input {k}")
-    values, scales = quantize(input, block_size)
-    all_values, all_scales = values.new_empty(n * values.numel()), scales.new_empty(n * scales.numel())
-    all_gather(all_values, values, group=group, tag=tag)
-    all_gather(all_scales, scales, group=group, tag=tag)
-    pieces = zip(all_values.view(n, -1), all_scales.view(n, -1), output.view(n, k))
-    for piece_values, piece_scales, out in pieces:
-        out.copy_(dequantize(piece_values, piece_scales, k, output.dtype))
+    packed = pack(*quantize(input.reshape(-1), block_size))
+    everyone = packed.new_empty(n * packed.numel())
+    handle = all_gather(everyone, packed, group=group, async_op=True, tag=tag)
+
+    def dequantize_pieces() -> None:  # one rank's piece at a time: a temporary of k fp32 values, not N k
+        for row, out in zip(everyone.view(n, -1), output.view(n, k)):
+            out.copy_(dequantize(*unpack(row, k), block_size, dtype or output.dtype))
+
+    return _finish([handle], async_op, then=dequantize_pieces)
+
+
+QUANTIZED_REDUCE_OPS = ("sum", "avg", "mean")
+"""The ops of :func:`reduce_scatter_quantized`: sums of dequantized contributions."""
+
+
+def reduce_scatter_quantized(
+    output: Tensor,
+    input: Tensor,
+    block_size: int,
+    op: ReduceOpName = "avg",
+    *,
+    group: Any = None,
+    async_op: bool = False,
+    tag: str = "",
+) -> Handle | None:
+    """:func:`reduce_scatter` with the contributions sent as blockwise int8 (ZeRO++'s qgZ).
+
+    [Note: quantized reduce-scatter] Rank r quantizes chunk d of its ``input`` (the piece bound for rank d, k
+    elements) in blocks of its own ([Note: blockwise quantization] in ``lightning_zero/comm/quantize.py``), and one
+    all-to-all sends every rank its chunks, packed with their scales; the ledger records this rank's input on the
+    wire, ``N * (k + 4 * ceil(k / block_size))`` bytes. On completion each rank dequantizes the N contributions to
+    its chunk (its own included) to fp32, sums them in fp32 in rank order, divides by N for ``"avg"`` and writes the
+    result into ``output`` (any float dtype): the reduction runs in higher precision after dequantisation, as
+    ZeRO++'s does, so only the N quantizations are lossy. Each contribution is off by at most half a step of its
+    block, so the average is within ``sum_r max_error(chunk d of rank r) / N`` of the exact one (plus fp32
+    rounding). ``input`` is quantized before this returns: it may change at once.
+    """
+    if op not in QUANTIZED_REDUCE_OPS:
+        raise ValueError(f"reduce_scatter_quantized op {op!r} is invalid: expected one of {QUANTIZED_REDUCE_OPS}")
+    n, k = world_size(group), output.numel()
+    if input.numel() != k * n:
+        raise ValueError(f"reduce_scatter input has {input.numel()} elements: expected world_size={n} x output {k}")
+    packed = pack(*quantize(input.reshape(n, k), block_size))  # (n, k + 4 * blocks): row d goes to rank d
+    LEDGER.record("reduce_scatter", tag, _nbytes(packed))
+    received = packed if n == 1 else torch.empty_like(packed)
+    works = [] if n == 1 else [dist.all_to_all_single(received, packed, group=group, async_op=True)]
+
+    def combine() -> None:  # contribution r is rank r's chunk for this rank
+        total = dequantize(*unpack(received[0], k), block_size)
+        for row in received[1:]:
+            total.add_(dequantize(*unpack(row, k), block_size))
+        if op != "sum":
+            total.div_(n)
+        output.view(-1).copy_(total)
+
+    return _finish(works, async_op, then=combine)
 
 
 def all_gather_stack(tensor: Tensor, *, group: Any = None, sync_grads: bool = False, tag: str = "") -> Tensor:

@@ -1,19 +1,23 @@
 """Blockwise int8 quantization for compressed collectives (ZeRO++'s qwZ and qgZ): pure tensor functions.
 
-[Note: blockwise quantization] A flat tensor is cut into blocks of ``block_size`` consecutive elements (the last one
-padded with zeros). Each block gets one fp32 scale, its largest magnitude divided by 127, and each element is stored
-as ``round(x / scale)`` in int8 (symmetric: -127..127, zero maps to zero). Dequantizing multiplies back.
+[Note: blockwise quantization] A tensor is quantized row by row (a flat tensor is one row; a ``(rows, numel)``
+tensor is ``rows`` rows, e.g. the N chunks of a reduce-scatter input, each bound for another rank). Each row is cut
+into blocks of ``block_size`` consecutive elements (the last one short; it is padded with zeros for the arithmetic
+only), and each block gets one fp32 scale, its largest magnitude divided by 127; each element is stored as
+``round(x / scale)`` in int8 (symmetric: -127..127, zero maps to zero). Dequantizing multiplies back.
 
 - Error: rounding to the nearest step bounds every element's error by ``scale / 2 = absmax(block) / 254``, so the
   error is relative to the largest value *of its block*, not of the tensor: small blocks follow the local magnitude
   (an outlier spoils only its own block). :func:`max_error` gives the bound per element.
-- Bytes: one byte per element plus four per block: ``numel + 4 * ceil(numel / block_size)``, about a quarter of fp32
-  (:func:`quantized_nbytes`). ZeRO++ uses blocks of 2048 for weights and 512 for gradients; the block size is a
-  setting of the engines that use this module.
+- Bytes: one byte per element plus four per block, ``numel + 4 * ceil(numel / block_size)`` per row, about a quarter
+  of fp32 (:func:`quantized_nbytes`). The padding is never stored or sent: values keep the row's length.
+- Wire format: :func:`pack` lays each row's int8 values and then its scales' bytes side by side in one uint8 row,
+  so that a collective moves one message per row (one all-gather, one all-to-all) instead of two;
+  :func:`unpack` splits them again. Ranks share the byte order (one machine type per job).
 - A block of zeros gets scale 0 and dequantizes to zeros exactly. Non-finite values are not representable: they
   raise, so that an overflow is not hidden inside a block.
 
-Everything is vectorised over blocks (one reshape, one ``amax``, one division), on the tensor's device.
+Everything is vectorised over rows and blocks (one reshape, one ``amax``, one division), on the tensor's device.
 """
 
 from __future__ import annotations
@@ -22,9 +26,12 @@ import math
 
 import torch
 from torch import Tensor
+from torch.nn import functional as F
 
 QMAX = 127
 """The largest int8 magnitude used (symmetric range, so that -x quantizes to -q)."""
+
+_SCALE_BYTES = 4  # fp32
 
 
 def _check_block_size(block_size: int) -> None:
@@ -38,44 +45,73 @@ def num_blocks(numel: int, block_size: int) -> int:
 
 
 def quantized_nbytes(numel: int, block_size: int) -> int:
-    """Bytes of the int8 values and fp32 scales of ``numel`` elements (padding not counted)."""
-    return numel + 4 * num_blocks(numel, block_size)
+    """Bytes of the int8 values and fp32 scales of a row of ``numel`` elements (what :func:`pack` makes of it)."""
+    return numel + _SCALE_BYTES * num_blocks(numel, block_size)
 
 
 def _blocks(x: Tensor, block_size: int) -> Tensor:
-    """``x`` flat, in fp32, zero-padded to whole blocks: ``(num_blocks, block_size)``."""
-    flat = x.detach().reshape(-1).float()
-    pad = num_blocks(flat.numel(), block_size) * block_size - flat.numel()
-    if pad:
-        flat = torch.cat([flat, flat.new_zeros(pad)])
-    return flat.view(-1, block_size)
+    """``x`` as fp32 rows zero-padded to whole blocks: ``(rows, num_blocks, block_size)``."""
+    rows = x.detach().reshape(-1, x.shape[-1] if x.ndim else 1).float()
+    pad = num_blocks(rows.shape[1], block_size) * block_size - rows.shape[1]
+    return (F.pad(rows, (0, pad)) if pad else rows).view(rows.shape[0], -1, block_size)
+
+
+def _absmax(blocks: Tensor) -> Tensor:
+    """Largest magnitude per block, ``(rows, num_blocks)`` (inf or NaN if the block holds one; no ``abs`` copy)."""
+    return torch.linalg.vector_norm(blocks, ord=math.inf, dim=-1)
 
 
 def quantize(x: Tensor, block_size: int) -> tuple[Tensor, Tensor]:
-    """``x`` (any float dtype and shape) as ``(values, scales)``: int8 ``(num_blocks * block_size,)`` (padded) and
-    fp32 ``(num_blocks,)``."""
+    """``x`` (any float dtype; flat, or rows along its last dimension) as ``(values, scales)``: int8 values of
+    ``x``'s shape and fp32 scales of shape ``(*x.shape[:-1], num_blocks)``."""
     blocks = _blocks(x, block_size)
-    if not torch.isfinite(blocks).all():
+    absmax = _absmax(blocks)
+    if not torch.isfinite(absmax).all():
         raise ValueError("blockwise int8 quantization got a non-finite value (inf or NaN): it cannot be represented")
-    scales = blocks.abs().amax(dim=1) / QMAX
+    scales = absmax / QMAX
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))  # zero blocks: 0 / 1 = 0
-    values = torch.round(blocks / safe.unsqueeze(1)).clamp_(-QMAX, QMAX).to(torch.int8)
-    return values.view(-1), scales
+    steps = blocks.div(safe.unsqueeze(-1)).round_().clamp_(-QMAX, QMAX).to(torch.int8)
+    numel = x.shape[-1] if x.ndim else 1
+    values = steps.view(steps.shape[0], -1)[:, :numel]  # drop the padding (a copy only when there is some)
+    return values.reshape(x.shape), scales.reshape(*x.shape[:-1], -1)
 
 
-def dequantize(values: Tensor, scales: Tensor, numel: int, dtype: torch.dtype = torch.float32) -> Tensor:
-    """The first ``numel`` elements of what :func:`quantize` encoded, flat, in ``dtype``."""
-    block_size = values.numel() // max(scales.numel(), 1)
-    if scales.numel() * block_size != values.numel() or numel > values.numel():
+def dequantize(values: Tensor, scales: Tensor, block_size: int, dtype: torch.dtype = torch.float32) -> Tensor:
+    """What :func:`quantize` encoded, in ``values``' shape and ``dtype``."""
+    numel = values.shape[-1] if values.ndim else 1
+    rows = values.reshape(-1, numel)
+    blocks = num_blocks(numel, block_size)
+    if scales.numel() != rows.shape[0] * blocks:
         raise ValueError(
-            f"{values.numel()} int8 values and {scales.numel()} scales do not encode {numel} elements in whole blocks"
+            f"{scales.numel()} scales do not fit int8 values of shape {tuple(values.shape)} in blocks of {block_size}:"
+            f" expected {rows.shape[0] * blocks} ({rows.shape[0]} row(s) x {blocks})"
         )
-    full = values.view(-1, block_size).float() * scales.float().unsqueeze(1)
-    return full.view(-1)[:numel].to(dtype)
+    pad = blocks * block_size - numel
+    padded = F.pad(rows, (0, pad)) if pad else rows
+    # int8 x fp32 promotes to fp32 in one kernel: exactly float(q) * scale, without an fp32 copy of the values.
+    full = torch.mul(padded.view(rows.shape[0], blocks, block_size), scales.reshape(-1, blocks, 1).float())
+    return full.view(rows.shape[0], -1)[:, :numel].to(dtype).reshape(values.shape)
 
 
 def max_error(x: Tensor, block_size: int) -> Tensor:
-    """The bound of :func:`quantize` then :func:`dequantize` per element of ``x`` (flat): half its block's step."""
+    """The bound of :func:`quantize` then :func:`dequantize` per element of ``x`` (in its shape): half its block's
+    step."""
     blocks = _blocks(x, block_size)
-    half_step = blocks.abs().amax(dim=1, keepdim=True) / (2 * QMAX)
-    return half_step.expand_as(blocks).reshape(-1)[: x.numel()]
+    half_step = _absmax(blocks).unsqueeze(-1) / (2 * QMAX)
+    numel = x.shape[-1] if x.ndim else 1
+    return half_step.expand_as(blocks).reshape(blocks.shape[0], -1)[:, :numel].reshape(x.shape)
+
+
+def pack(values: Tensor, scales: Tensor) -> Tensor:
+    """Rows of int8 ``values`` ``(rows, numel)`` and fp32 ``scales`` ``(rows, num_blocks)`` as uint8 rows
+    ``(rows, quantized_nbytes(numel))``: the values, then the scales' bytes ([Note: blockwise quantization])."""
+    return torch.cat([values.view(torch.uint8), scales.contiguous().view(torch.uint8)], dim=-1)
+
+
+def unpack(packed: Tensor, numel: int) -> tuple[Tensor, Tensor]:
+    """Inverse of :func:`pack` for rows of ``numel`` elements: ``(values, scales)``."""
+    if (packed.shape[-1] - numel) % _SCALE_BYTES or packed.shape[-1] < numel:
+        raise ValueError(f"rows of {packed.shape[-1]} bytes do not hold {numel} int8 values and whole fp32 scales")
+    values = packed[..., :numel].view(torch.int8)
+    scales = packed[..., numel:].clone().view(torch.float32)  # a copy: viewed as fp32 they must start aligned
+    return values, scales

@@ -33,6 +33,7 @@ from typing_extensions import override
 from lightning_zero.comm.powersgd import refuse_on_zero
 from lightning_zero.fabric.base import ScratchFabricStrategy
 from lightning_zero.training.distributed import ZERO_NAMES
+from lightning_zero.training.precision import DEFAULT
 from lightning_zero.zero.checkpoint import is_sharded_checkpoint
 from lightning_zero.zero.checkpointing import ZeroCheckpointer
 from lightning_zero.zero.settings import ZeroSettings, build_stage3, build_stage12
@@ -47,7 +48,8 @@ class ZeroStrategy(ScratchFabricStrategy):
     Args:
         stage: 1, 2 or 3.
         **kwargs: ``grad_sync``, ``bucket_size_mb``, ``state_dict_type``, ``auto_wrap_policy``, ``min_num_params``,
-            ``reshard_after_forward``, ``model_init``, ``grad_accum_dtype`` as for the Trainer's
+            ``reshard_after_forward``, ``model_init``, ``grad_accum_dtype``, ``quantized_weights``,
+            ``quantized_grads``, ``quant_block_size`` as for the Trainer's
             :class:`~lightning_zero.strategies.zero.ZeroStrategy`, and those of
             :class:`~lightning_zero.fabric.base.ScratchFabricStrategy`. ``grad_compression`` is refused
             (``ddp_scratch`` only; ``None`` passes).
@@ -59,7 +61,7 @@ class ZeroStrategy(ScratchFabricStrategy):
     def __init__(self, stage: int = 2, **kwargs: Any) -> None:
         refuse_on_zero(f"zero{stage}_scratch", kwargs)
         zero = {name: kwargs.pop(name) for name in ZeroSettings.__dataclass_fields__ if name in kwargs}
-        settings = ZeroSettings.check(stage=stage, **zero)
+        settings = ZeroSettings.check(stage=stage, reduce_dtype=kwargs.get("reduce_dtype", DEFAULT), **zero)
         super().__init__(**kwargs)
         self.settings = settings
         settings.apply_to(self)

@@ -47,9 +47,10 @@ from typing_extensions import override
 from lightning_zero.comm.powersgd import refuse_on_zero
 from lightning_zero.strategies.base import ScratchParallelStrategy, SpawnLauncher
 from lightning_zero.training.distributed import ZERO_NAMES
+from lightning_zero.training.precision import DEFAULT
 from lightning_zero.zero.checkpointing import ZeroCheckpointer
 from lightning_zero.zero.grad_norm import shard_grad_norms
-from lightning_zero.zero.settings import ZeroSettings, build_stage3, build_stage12
+from lightning_zero.zero.settings import QUANT_BLOCK_SIZE, ZeroSettings, build_stage3, build_stage12
 from lightning_zero.zero.stage3 import state as sp_state
 from lightning_zero.zero.stage3.engine import ShardedParams
 from lightning_zero.zero.stage3.materialize import (
@@ -98,6 +99,14 @@ class ZeroStrategy(ScratchParallelStrategy):
             that name): ``None`` (default: the dtype the optimizer updates, fp32 under mixed precision) or
             ``"bf16"``/``"fp16"``/``"fp32"``/a torch dtype. ``"bf16"`` with ``cast_module=True`` is the ZeRO paper's
             accounting (2-byte parameters and gradients); accumulation across micro-batches then rounds to bf16.
+        quantized_weights: stage 3: all-gather the parameters as blockwise int8 with an fp32 scale per block
+            (ZeRO++'s qwZ: ~¼ of the fp32 bytes); every rank computes with the same dequantized weights, while the
+            fp32 shards the optimizer updates (and checkpoints) stay exact. See [Note: tensor roles] in
+            ``lightning_zero/zero/stage3/engine.py``.
+        quantized_grads: stage 3: reduce-scatter the gradients as blockwise int8 (ZeRO++'s qgZ: ~¼ of the fp32
+            bytes), summed in fp32 after dequantizing. ``reduce_dtype`` must then stay ``"auto"`` (or fp32).
+        quant_block_size: stage 3: elements per quantization block (integer >= 1, default 512): each block's
+            error is at most its largest magnitude / 254, and its scale costs 4 bytes.
         **kwargs: see :class:`~lightning_zero.strategies.base.ScratchParallelStrategy` (``find_unused_parameters``,
             ``broadcast_buffers``, the precision settings ``param_dtype``, ``reduce_dtype``, ``cast_module`` and
             ``master_weights``, ``process_group_backend``, ``timeout``, ``start_method``). ``grad_compression`` is
@@ -118,6 +127,9 @@ class ZeroStrategy(ScratchParallelStrategy):
         reshard_after_forward: bool = True,
         model_init: str = "auto",
         grad_accum_dtype: str | torch.dtype | None = None,
+        quantized_weights: bool = False,
+        quantized_grads: bool = False,
+        quant_block_size: int = QUANT_BLOCK_SIZE,
         **kwargs: Any,
     ) -> None:
         refuse_on_zero(f"zero{stage}_scratch", kwargs)
@@ -131,6 +143,10 @@ class ZeroStrategy(ScratchParallelStrategy):
             reshard_after_forward=reshard_after_forward,
             model_init=model_init,
             grad_accum_dtype=grad_accum_dtype,
+            quantized_weights=quantized_weights,
+            quantized_grads=quantized_grads,
+            quant_block_size=quant_block_size,
+            reduce_dtype=kwargs.get("reduce_dtype", DEFAULT),
         )
         super().__init__(**kwargs)
         self.settings = settings

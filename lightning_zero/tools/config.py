@@ -22,7 +22,7 @@ from lightning_zero.robust.engine import check_precision_settings, check_workers
 from lightning_zero.training.distributed import START_METHODS
 from lightning_zero.training.module_classes import module_classes
 from lightning_zero.training.precision import parse_dtype, resolve_policy, unified_precision
-from lightning_zero.zero.settings import STAGES, STATE_DICT_TYPES
+from lightning_zero.zero.settings import QUANT_BLOCK_SIZE, STAGES, STATE_DICT_TYPES, check_quantization
 from lightning_zero.zero.stage3.materialize import MODEL_INIT_MODES
 from lightning_zero.zero.stage12 import GRAD_SYNC_MODES
 
@@ -119,6 +119,9 @@ class ZeroStrategyConf:
     master_weights: bool = True
     cast_module: bool = False
     grad_accum_dtype: Optional[str] = None
+    quantized_weights: bool = False
+    quantized_grads: bool = False
+    quant_block_size: int = QUANT_BLOCK_SIZE
     activation_checkpointing_policy: Optional[list[str]] = None
     process_group_backend: Optional[str] = None
     timeout: float = 1800.0
@@ -145,6 +148,9 @@ class ZeroStrategyConf:
             "min_num_params": self.min_num_params is not None,
             "reshard_after_forward": not self.reshard_after_forward,
             "model_init": self.model_init != "auto",
+            "quantized_weights": self.quantized_weights,
+            "quantized_grads": self.quantized_grads,
+            "quant_block_size": self.quant_block_size != QUANT_BLOCK_SIZE,
         }
         if self.stage != 3 and any(stage3.values()):
             settings = ", ".join(f"{k}={getattr(self, k)!r}" for k, v in stage3.items() if v)
@@ -158,6 +164,10 @@ class ZeroStrategyConf:
             raise ConfigError(str(err)) from None
         if self.stage == 3 and self.grad_accum_dtype not in (None, "auto"):
             raise ConfigError(f"grad_accum_dtype={self.grad_accum_dtype!r} applies to stages 1 and 2 only: got stage=3")
+        try:
+            check_quantization(self.quant_block_size, self.quantized_grads, self.reduce_dtype)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
 
 
 @dataclass

@@ -67,6 +67,15 @@ def test_our_strategy_configs_are_typed_and_instantiate(compose_cfg, name: str) 
         assert strategy.stage == int(name[4])
 
 
+def test_quantized_communication_settings_reach_the_strategy(compose_cfg) -> None:
+    cfg = compose_cfg(
+        "strategy.quantized_weights=true", "strategy.quantized_grads=true", "strategy.quant_block_size=256"
+    )
+    validate_config(cfg)
+    strategy = instantiate(cfg.strategy)
+    assert (strategy.quantized_weights, strategy.quantized_grads, strategy.quant_block_size) == (True, True, 256)
+
+
 def test_module_class_settings_take_import_paths(compose_cfg) -> None:
     from lightning_zero.demo.model import Block
 
@@ -145,6 +154,15 @@ def test_callbacks_and_logger_instantiate(compose_cfg, tmp_path: Path) -> None:
         (["strategy.reduce_dtype=int8"], "reduce_dtype='int8' is invalid: expected 'auto', one of ['bf16'"),
         (["strategy=zero1_scratch", "strategy.grad_accum_dtype=int8"], "grad_accum_dtype='int8' is invalid"),
         (["strategy=zero3_scratch", "strategy.grad_accum_dtype=bf16"], "applies to stages 1 and 2 only: got stage=3"),
+        (["strategy=zero2_scratch", "strategy.quantized_weights=true"], "quantized_weights=True apply to stage=3 only"),
+        (
+            ["strategy=zero3_scratch", "strategy.quant_block_size=0"],
+            "quant_block_size=0 is invalid: expected an integer",
+        ),
+        (
+            ["strategy=zero3_scratch", "strategy.quantized_grads=true", "strategy.reduce_dtype=bf16"],
+            "reduce_dtype='bf16' conflicts with quantized_grads=True",
+        ),
         (
             ["strategy=ddp_scratch", "strategy.activation_checkpointing_policy=[nope.Block]"],
             "activation_checkpointing_policy: cannot import 'nope.Block'",

@@ -28,6 +28,17 @@ one for frozen parameters), each laid out flat and padded to a multiple of N.
   ``gather_dtype`` (bf16: half the bytes; the values the module computes with are the masters rounded to it) into the
   unsharded flat, which keeps the module's dtype (or ``cast_dtype``); unsharded gradients are in the shard's dtype
   (accumulation) and reduce-scattered in ``reduce_dtype``.
+- quantized communication (ZeRO++, [Note: blockwise quantization] in ``lightning_zero/comm/quantize.py``), off by
+  default. *qwZ* (``weight_block_size``): each rank quantizes its shard to int8 blocks for every gather, and every rank
+  dequantizes all N pieces, its own included, into the unsharded flat (rounded to ``gather_dtype`` on the way): every
+  rank computes with the same weights, the masters quantized. The shard itself, which the optimizer updates and
+  checkpoints hold, is untouched, and so is anything gathered for a state dict or handed back after a fit;
+  :meth:`summon_full_params` shows the dequantized weights, as it shows ``gather_dtype``-rounded ones under mixed
+  precision (the values the module computes with). *qgZ* (``grad_block_size``): the
+  unsharded gradient's N chunks are quantized each in blocks of their own, exchanged all-to-all, and each rank sums
+  the N dequantized contributions to its chunk in fp32 ([Note: quantized reduce-scatter] in
+  ``lightning_zero/comm/collectives.py``); ``reduce_dtype`` then must be fp32 or ``None``. Bytes per step:
+  [Note: stage-3 traffic] in ``lightning_zero/zero/stage3/traffic.py``.
 
 Per step: forward gathers each unit (4Ψ, while the next unit's gather is in flight) and frees it after its forward,
 unless ``reshard_after_forward=False``; backward re-gathers it (another 4Ψ, prefetching the unit that ran before it),
@@ -61,6 +72,7 @@ from lightning_zero.zero.grad_norm import clip_grad_norm_
 from lightning_zero.zero.stage3.gather_order import GatherOrder
 from lightning_zero.zero.stage3.materialize import build_meta_modules, load_real_tensors
 from lightning_zero.zero.stage3.segments import Segment, Unit, UnitState
+from lightning_zero.zero.stage3.traffic import SegmentTraffic, gathers_per_step, step_nbytes
 from lightning_zero.zero.stage3.units import ROOT, check_compiled, plan_units, root_owners
 from lightning_zero.zero.stage12 import GRAD_SYNC_MODES, check_in_optimizer
 from lightning_zero.zero.unused import HeldPieces, ParamPieces, param_pieces
@@ -93,6 +105,10 @@ class ShardedParams:
             [Note: unused parameters]. Off: such a parameter raises an error naming it.
         cast_dtype / gather_dtype / master_dtype / reduce_dtype: mixed precision ([Note: tensor roles]); ``None``:
             the parameters' own dtype.
+        weight_block_size: all-gather the parameters as blockwise int8 in blocks of this many elements (ZeRO++'s
+            qwZ; [Note: tensor roles]); ``None`` (default): in ``gather_dtype``, exactly.
+        grad_block_size: reduce-scatter the gradients as blockwise int8 (ZeRO++'s qgZ), reduced in fp32; ``None``
+            (default): in ``reduce_dtype``, exactly.
         group: process group (``None``: the default group).
     """
 
@@ -112,10 +128,17 @@ class ShardedParams:
         gather_dtype: torch.dtype | None = None,
         master_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype | None = None,
+        weight_block_size: int | None = None,
+        grad_block_size: int | None = None,
         group: Any = None,
     ) -> None:
         if grad_sync not in GRAD_SYNC_MODES:
             raise ValueError(f"grad_sync={grad_sync!r} is invalid: expected one of {GRAD_SYNC_MODES}")
+        if grad_block_size is not None and reduce_dtype not in (None, torch.float32):
+            raise ValueError(
+                f"reduce_dtype={reduce_dtype} conflicts with grad_block_size={grad_block_size}: quantized gradients are"
+                " reduced in fp32 after dequantizing; pass reduce_dtype=None or torch.float32"
+            )
         if ShardedParams.of(module) is not None:
             raise ValueError("the module is sharded already (by an earlier fit): reuse ShardedParams.of(module)")
         _ENGINES[module] = weakref.ref(self)
@@ -125,6 +148,7 @@ class ShardedParams:
         self._dtypes = (cast_dtype, gather_dtype, master_dtype)  # of every segment
         self._module_dtypes = {id(p): p.dtype for p in module.parameters()}  # before any cast or placeholder
         self.reduce_dtype = reduce_dtype
+        self.weight_block_size, self.grad_block_size = weight_block_size, grad_block_size
         self.require_backward_grad_sync = True
         self.optimizer: torch.optim.Optimizer | None = None
         self.original_groups: list[list[nn.Parameter]] = []
@@ -226,12 +250,15 @@ class ShardedParams:
         self._gather_order.before_gather(unit.index)
         for s in unit.segments:
             s.full.untyped_storage().resize_(s.nbytes)
-            unit.handles.append(
-                comm.all_gather(
-                    s.full, s.shard.detach(), group=self.group, async_op=True, tag="params", dtype=s.gather_dtype
-                )
-            )
+            unit.handles.append(self._all_gather(s))
         unit.state = UnitState.GATHERING
+
+    def _all_gather(self, s: Segment) -> comm.Handle | None:
+        """Launch the gather of ``s.shard`` into ``s.full``: exact in the gather dtype, or int8 blocks (qwZ)."""
+        shard, kwargs = s.shard.detach(), {"group": self.group, "async_op": True, "tag": "params"}
+        if self.weight_block_size is None:
+            return comm.all_gather(s.full, shard, dtype=s.gather_dtype, **kwargs)
+        return comm.all_gather_quantized(s.full, shard, self.weight_block_size, dtype=s.gather_dtype, **kwargs)
 
     def _wait(self, unit: Unit) -> None:
         if unit.state is UnitState.GATHERING:
@@ -378,13 +405,18 @@ class ShardedParams:
                 s.grad_acc = torch.empty_like(s.shard)
             first = s.shard.grad is None and all(p[1] is not s for p in self._pending)  # of this window
             out = s.grad_acc if first else self._take(s.shard)
-            handle = comm.reduce_scatter(
-                out, s.grad_full, "avg", group=self.group, async_op=True, tag="grads", dtype=self.reduce_dtype
-            )
-            self._pending.append((unit, s, out, s.grad_full, handle))
+            self._pending.append((unit, s, out, s.grad_full, self._reduce_scatter(out, s.grad_full)))
             s.grad_full = None
         while len(self._pending) > MAX_PENDING_REDUCTIONS:
             self._finish_reduction()
+
+    def _reduce_scatter(self, out: Tensor, grad_full: Tensor) -> comm.Handle | None:
+        """Launch the average of ``grad_full`` over ranks into ``out``: exact in the reduce dtype, or int8 blocks
+        reduced in fp32 (qgZ)."""
+        kwargs = {"group": self.group, "async_op": True, "tag": "grads"}
+        if self.grad_block_size is None:
+            return comm.reduce_scatter(out, grad_full, "avg", dtype=self.reduce_dtype, **kwargs)
+        return comm.reduce_scatter_quantized(out, grad_full, self.grad_block_size, "avg", **kwargs)
 
     def _finish_reduction(self) -> None:
         unit, segment, out, grad_full, handle = self._pending.pop(0)
@@ -507,6 +539,24 @@ class ShardedParams:
     @property
     def segments(self) -> list[Segment]:
         return [s for u in self.units for s in u.segments]
+
+    def step_nbytes(self) -> dict[str, int]:
+        """Ledger bytes of one optimizer step of one micro-batch in theory, ``{"params": ..., "grads": ...}``
+        ([Note: stage-3 traffic] in ``lightning_zero/zero/stage3/traffic.py``)."""
+        segments = [
+            SegmentTraffic(
+                s.shard.numel(),
+                gathers_per_step(unit.plan.name == ROOT, self.reshard_after_forward),
+                s.key != FROZEN,
+                s.gather_dtype.itemsize,
+                (self.reduce_dtype or s.shard.dtype).itemsize,
+            )
+            for unit in self.units
+            for s in unit.segments
+        ]
+        return step_nbytes(
+            segments, self.world_size, weight_block_size=self.weight_block_size, grad_block_size=self.grad_block_size
+        )
 
     @property
     def shard_params(self) -> list[nn.Parameter]:
