@@ -43,8 +43,6 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import queue
-import socket
 import statistics
 import sys
 import time
@@ -63,8 +61,10 @@ from lightning_zero.demo import CharGPTModule, CharTextDataModule
 from lightning_zero.zero.settings import QUANT_BLOCK_SIZE
 
 try:  # run as a script, sys.path[0] is benchmarks/; imported from the repo root, it is a namespace package
+    from benchmarks.processes import run_ranks, torchelastic_env
     from benchmarks.step_time import QUIET_TRAINER, StepTimer, quiet_lightning
 except ImportError:
+    from processes import run_ranks, torchelastic_env  # type: ignore[no-redef]
     from step_time import QUIET_TRAINER, StepTimer, quiet_lightning  # type: ignore[no-redef]
 
 POWERSGD = {"rank": 4, "start_iter": 10}
@@ -200,16 +200,7 @@ def fit_once(name: str, args: argparse.Namespace, steps: int, evaluate: bool = T
 
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, results: mp.Queue) -> None:
-    # torchelastic's variables: the Trainer sees processes created externally and launches none
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        GROUP_RANK="0",
-        LOCAL_WORLD_SIZE=str(world),
-        WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+    torchelastic_env(rank, world, port)
     torch.set_num_threads(1)  # ranks share the cores: one thread each, or they fight for them
     quiet_lightning()
     runs = {name: fit_once(name, args, args.steps) for name in args.options}
@@ -228,21 +219,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, results:
 
 def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Every option's runs, one dict per rank (fits in fresh processes)."""
-    with socket.socket() as probe:  # a free port for the rendezvous
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    results = mp.get_context("spawn").Queue()
-    workers = mp.start_processes(_worker, args=(args.ranks, port, args, results), nprocs=args.ranks, join=False)
-    while True:
-        try:
-            gathered = results.get(timeout=1)
-            break
-        except queue.Empty:
-            if workers.join(timeout=0):  # raises when a worker failed
-                raise RuntimeError(f"the {args.ranks} workers exited without results") from None
-    while not workers.join():
-        pass
-    return gathered
+    return run_ranks(_worker, args.ranks, args)
 
 
 def report(args: argparse.Namespace, gathered: list[dict[str, Any]]) -> bool:

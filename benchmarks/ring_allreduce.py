@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import queue
-import socket
 import statistics
 import time
 
@@ -28,6 +26,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lightning_zero.comm import ring
+
+try:  # run as a script, sys.path[0] is benchmarks/; imported from the repo root, it is a namespace package
+    from benchmarks.processes import run_ranks
+except ImportError:
+    from processes import run_ranks  # type: ignore[no-redef]
 
 MIB = 2**20
 
@@ -92,20 +95,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, results:
 
 def measure(world: int, args: argparse.Namespace) -> dict[tuple[float, str], float]:
     """``{(size, algorithm): median seconds}`` over ``world`` fresh processes; a trial counts its slowest rank."""
-    with socket.socket() as probe:  # a free port for the rendezvous
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    results = mp.get_context("spawn").Queue()
-    workers = mp.start_processes(_worker, args=(world, port, args, results), nprocs=world, join=False)
-    while True:
-        try:
-            gathered = results.get(timeout=1)
-            break
-        except queue.Empty:
-            if workers.join(timeout=0):  # raises when a worker failed
-                raise RuntimeError(f"the {world} workers exited without results") from None
-    while not workers.join():
-        pass
+    gathered = run_ranks(_worker, world, args)
     return {
         key: statistics.median(max(ts) for ts in zip(*(g[key] for g in gathered), strict=True)) for key in gathered[0]
     }
