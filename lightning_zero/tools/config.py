@@ -11,6 +11,8 @@ settings, right after composition and before any ``Trainer`` or process exists.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, is_dataclass
 from typing import Any, Optional
 
@@ -38,6 +40,15 @@ class ConfigError(ValueError):
     """A composed configuration that cannot run; the message names the key, the value and what is allowed."""
 
 
+@contextmanager
+def _as_config_error() -> Iterator[None]:
+    """The library's own checks (``ValueError``, already naming the setting) raised as :class:`ConfigError`."""
+    try:
+        yield
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
 def _check_common(backend: Optional[str], timeout: float, start_method: str) -> None:
     if backend is not None and backend not in BACKENDS:
         raise ConfigError(f"process_group_backend={backend!r} is invalid: expected one of {BACKENDS} or null")
@@ -48,20 +59,16 @@ def _check_common(backend: Optional[str], timeout: float, start_method: str) -> 
 
 
 def _check_precision_settings(schema: Any) -> None:
-    try:
+    with _as_config_error():
         parse_dtype("param_dtype", schema.param_dtype)
         parse_dtype("reduce_dtype", schema.reduce_dtype)
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
 
 
 def _check_module_classes(schema: Any) -> None:
     """The import paths of ``activation_checkpointing_policy`` (and ``auto_wrap_policy``) import to module classes."""
     for setting in ("activation_checkpointing_policy", "auto_wrap_policy"):
-        try:
+        with _as_config_error():
             module_classes(setting, getattr(schema, setting, None))
-        except ValueError as err:
-            raise ConfigError(str(err)) from None
 
 
 def _check_bucket(bucket_size_mb: float) -> None:
@@ -93,10 +100,8 @@ class ScratchDDPStrategyConf:
         _check_common(self.process_group_backend, self.timeout, self.start_method)
         _check_precision_settings(self)
         _check_module_classes(self)
-        try:
+        with _as_config_error():
             compression_config(self.grad_compression, self.powersgd, reduce_dtype=self.reduce_dtype)
-        except ValueError as err:
-            raise ConfigError(str(err)) from None
 
 
 @dataclass
@@ -158,16 +163,12 @@ class ZeroStrategyConf:
         _check_common(self.process_group_backend, self.timeout, self.start_method)
         _check_precision_settings(self)
         _check_module_classes(self)
-        try:
+        with _as_config_error():
             parse_dtype("grad_accum_dtype", self.grad_accum_dtype)
-        except ValueError as err:
-            raise ConfigError(str(err)) from None
         if self.stage == 3 and self.grad_accum_dtype not in (None, "auto"):
             raise ConfigError(f"grad_accum_dtype={self.grad_accum_dtype!r} applies to stages 1 and 2 only: got stage=3")
-        try:
+        with _as_config_error():
             check_quantization(self.quant_block_size, self.quantized_grads, self.reduce_dtype)
-        except ValueError as err:
-            raise ConfigError(str(err)) from None
 
 
 @dataclass
@@ -199,10 +200,8 @@ class RobustDDPStrategyConf:
     start_method: str = "popen"
 
     def __post_init__(self) -> None:
-        try:
+        with _as_config_error():
             check_workers(self.workers_per_rank, self.worker_momentum)
-        except ValueError as err:
-            raise ConfigError(str(err)) from None
         self.aggregator_pipeline()
         _check_common(self.process_group_backend, self.timeout, self.start_method)
         _check_precision_settings(self)
@@ -210,7 +209,7 @@ class RobustDDPStrategyConf:
 
     def aggregator_pipeline(self) -> RobustAggregator:
         """The aggregator these settings build (unknown names and parameters raise :class:`ConfigError`)."""
-        try:
+        with _as_config_error():
             return RobustAggregator(
                 self.aggregator,
                 self.f,
@@ -221,8 +220,6 @@ class RobustDDPStrategyConf:
                 self.byzantine_workers,
                 self.seed,
             )
-        except ValueError as err:
-            raise ConfigError(str(err)) from None
 
 
 SCHEMAS: dict[str, type] = {
