@@ -34,6 +34,11 @@ Candidates:
   communication that backward did not hide.
 - ``zero1_scratch``, ``zero2_scratch``: :class:`lightning_zero.ZeroStrategy` with ``stage=1`` / ``stage=2`` (default
   ``grad_sync``).
+- ``zero2_scratch_reduce_scatter``: ``zero2_scratch`` with ``grad_reduction="reduce_scatter"`` (each bucket's pieces
+  reduced into their owners; [Note: gradient reduction] in ``lightning_zero/zero/stage12.py``), the NCCL default,
+  timed on gloo to choose gloo's.
+- ``zero3_scratch_quantized``: ``zero3_scratch`` with ZeRO++'s qwZ and qgZ (``quantized_weights=True``,
+  ``quantized_grads=True``: parameters all-gathered and gradients reduce-scattered as blockwise int8).
 - ``ddp_zero_redundancy``: Lightning's ``DDPStrategy()`` with the same AdamW inside torch's
   ``ZeroRedundancyOptimizer`` (``GPTLightningModule(zero_redundancy=True)``): the peer of ``zero1_scratch``.
 - ``fsdp2``: Lightning's ``ModelParallelStrategy(data_parallel_size=N, tensor_parallel_size=1)``; the module's
@@ -134,24 +139,34 @@ CANDIDATES = (
     "nocomm",
     "zero1_scratch",
     "zero2_scratch",
+    "zero2_scratch_reduce_scatter",
     "ddp_zero_redundancy",
     "fsdp2",
     "zero3_scratch",
+    "zero3_scratch_quantized",
 )
 DEFAULT_CANDIDATES = ("ddp_scratch", "ddp", "nocomm")  # the DDP figures; independent of --preset
 PEERS = ("ddp", "nocomm", "ddp_zero_redundancy", "fsdp2")  # ratio columns, when present
 ZERO_CANDIDATES = ("zero1_scratch", "zero2_scratch", "zero3_scratch")
 COMM_OPTIONS = ("ddp_scratch_bf16comm", "ddp_scratch_powersgd")  # README "Communication options"
+ZERO_OPTIONS = ("zero2_scratch_reduce_scatter", "zero3_scratch_quantized")  # README "Communication options"
 POWERSGD = {"rank": 4, "start_iter": 0}  # compress from the first step: every timed step is a compressed one
 LEDGER_CANDIDATES = (
     "ddp_scratch",
     *COMM_OPTIONS,
     *ZERO_CANDIDATES,
+    *ZERO_OPTIONS,
 )  # communicate through lightning_zero.comm.collectives
 PRECISIONS = ("32-true", "bf16-mixed")  # those the model-state table below covers
 # Parameter all-gathers per optimizer step, in units of Ψ elements: once after the step (stages 1 and 2), before each
 # unit's forward and again before its backward (stage 3). Each element is sent in the stages' default param_dtype.
-PARAM_GATHERS = {"zero1_scratch": 1, "zero2_scratch": 1, "zero3_scratch": 2}
+PARAM_GATHERS = {
+    "zero1_scratch": 1,
+    "zero2_scratch": 1,
+    "zero2_scratch_reduce_scatter": 1,
+    "zero3_scratch": 2,
+    "zero3_scratch_quantized": 2,
+}
 # Candidates whose strategy buffers are not visible from Python, and why.
 HIDDEN_BUFFERS = {
     "ddp": "C++ DDP buckets",
@@ -168,7 +183,9 @@ STAGES = {
     "zero1_scratch": 1,
     "ddp_zero_redundancy": 1,
     "zero2_scratch": 2,
+    "zero2_scratch_reduce_scatter": 2,
     "zero3_scratch": 3,
+    "zero3_scratch_quantized": 3,
     "fsdp2": 3,
 }
 # ... and the bytes per element it keeps (params, grads, optimizer K). 32-true: fp32 AdamW, 4, 4, 8. bf16-mixed (the
@@ -177,7 +194,12 @@ STAGES = {
 # parameters are; Lightning's ddp only adds autocast, and FSDP2's MixedPrecisionPolicy keeps fp32 shards.
 STATE_BYTES = {
     "32-true": dict.fromkeys(STAGES, (4, 4, 8)),
-    "bf16-mixed": {**dict.fromkeys(STAGES, (4, 4, 8)), "zero1_scratch": (4, 4, 12), "zero2_scratch": (4, 4, 12)},
+    "bf16-mixed": {
+        **dict.fromkeys(STAGES, (4, 4, 8)),
+        "zero1_scratch": (4, 4, 12),
+        "zero2_scratch": (4, 4, 12),
+        "zero2_scratch_reduce_scatter": (4, 4, 12),
+    },
 }
 MIB = 2**20
 
@@ -273,10 +295,16 @@ def make_strategy(name: str, bucket_size_mb: float, world_size: int) -> Strategy
         return DDPStrategy()  # Lightning's defaults (25 MiB buckets, no gradient_as_bucket_view)
     if name == "nocomm":
         return NoCommStrategy(bucket_size_mb=bucket_size_mb)
-    if name == "zero3_scratch":  # one gather unit per Block, like fsdp2's fully_shard units
-        return ZeroStrategy(stage=3, bucket_size_mb=bucket_size_mb, auto_wrap_policy={Block})
+    if name in (
+        "zero3_scratch",
+        "zero3_scratch_quantized",
+    ):  # one gather unit per Block, like fsdp2's fully_shard units
+        quantized = name == "zero3_scratch_quantized"
+        return ZeroStrategy(stage=3, auto_wrap_policy={Block}, quantized_weights=quantized, quantized_grads=quantized)
     if name in ZERO_CANDIDATES:
         return ZeroStrategy(stage=int(name[4]), bucket_size_mb=bucket_size_mb)  # default grad_sync of the stage
+    if name == "zero2_scratch_reduce_scatter":
+        return ZeroStrategy(stage=2, bucket_size_mb=bucket_size_mb, grad_reduction="reduce_scatter")
     if name == "fsdp2":
         # Pure data parallelism on a (N, 1) mesh: the "auto" sizes would make it tensor-parallel within a node, and
         # the DistributedSampler (sized by the data-parallel dimension) would give every rank the same batches.

@@ -213,11 +213,26 @@ def all_reduce(
     return _finish([work], async_op)
 
 
-def reduce(tensor: Tensor, dst: int = 0, op: ReduceOpName = "sum", *, group: Any = None, tag: str = "") -> None:
-    """Reduce ``tensor`` from every rank into global rank ``dst``'s ``tensor`` (the others' is left undefined)."""
+def reduce(
+    tensor: Tensor,
+    dst: int = 0,
+    op: ReduceOpName = "sum",
+    *,
+    group: Any = None,
+    async_op: bool = False,
+    tag: str = "",
+    dtype: torch.dtype | None = None,
+) -> Handle | None:
+    """Reduce ``tensor`` from every rank into global rank ``dst``'s ``tensor`` (the others' is left undefined),
+    communicated in ``dtype`` when given (a copy, cast back into ``dst``'s ``tensor`` on completion)."""
+    wire = _in_dtype(tensor, dtype)
+    if wire is not None:
+        handle = reduce(wire, dst, op, group=group, async_op=True, tag=tag)
+        return _finish([handle], async_op, then=(lambda: tensor.copy_(wire)) if rank() == dst else None)
     reduce_op = _op(op)
     LEDGER.record("reduce", tag, _nbytes(tensor))
-    dist.reduce(tensor, dst=dst, op=reduce_op, group=group)
+    work = dist.reduce(tensor, dst=dst, op=reduce_op, group=group, async_op=async_op)
+    return _finish([work], async_op)
 
 
 def broadcast(

@@ -105,6 +105,8 @@ class GradientReducer:
         reduce_dtype: the dtype the buckets are all-reduced in (``None``: their own); the result is cast back.
         compressor: averages the buckets instead of the plain all-reduce once it is ``compressing`` ([Note:
             compressed buckets]); persistent buckets only.
+        reduce_bucket: launches a bucket's reduction instead of the all-reduce and returns its handle (ZeRO: each
+            piece reduced into the rank that owns it; [Note: gradient reduction] in ``lightning_zero/zero/stage12.py``).
     """
 
     def __init__(
@@ -120,6 +122,7 @@ class GradientReducer:
         tag: str = "grads",
         reduce_dtype: torch.dtype | None = None,
         compressor: PowerSGDCompressor | None = None,
+        reduce_bucket: Callable[[GradBucket], comm.Handle] | None = None,
     ) -> None:
         if compressor is not None and transient:
             raise ValueError(
@@ -143,6 +146,7 @@ class GradientReducer:
         self.tag = tag
         self.reduce_dtype = reduce_dtype
         self.compressor = compressor
+        self.reduce_bucket = reduce_bucket
         self.require_backward_grad_sync = True
 
         self._bucket_of = [0] * len(self._params)
@@ -323,6 +327,8 @@ class GradientReducer:
             if compressor is not None and compressor.compressing:  # [Note: compressed buckets]
                 compressor.all_reduce(b, bucket.buffer, self._members[b])
                 handle = comm.Handle()
+            elif self.reduce_bucket is not None:
+                handle = self.reduce_bucket(bucket)
             else:
                 handle = comm.all_reduce(
                     bucket.buffer, "avg", group=self.group, async_op=True, tag=self.tag, dtype=self.reduce_dtype

@@ -49,7 +49,7 @@ class ZeroStrategy(ScratchFabricStrategy):
         stage: 1, 2 or 3.
         **kwargs: ``grad_sync``, ``bucket_size_mb``, ``state_dict_type``, ``auto_wrap_policy``, ``min_num_params``,
             ``reshard_after_forward``, ``model_init``, ``grad_accum_dtype``, ``quantized_weights``,
-            ``quantized_grads``, ``quant_block_size`` as for the Trainer's
+            ``quantized_grads``, ``quant_block_size``, ``shard_size``, ``grad_reduction`` as for the Trainer's
             :class:`~lightning_zero.strategies.zero.ZeroStrategy`, and those of
             :class:`~lightning_zero.fabric.base.ScratchFabricStrategy`. ``grad_compression`` is refused
             (``ddp_scratch`` only; ``None`` passes).

@@ -107,6 +107,14 @@ class ZeroStrategy(ScratchParallelStrategy):
             bytes), summed in fp32 after dequantizing. ``reduce_dtype`` must then stay ``"auto"`` (or fp32).
         quant_block_size: stage 3: elements per quantization block (integer >= 1, default 512): each block's
             error is at most its largest magnitude / 254, and its scale costs 4 bytes.
+        shard_size: hybrid sharding (FSDP's HSDP, ZeRO++'s hpZ for stage 3): shard over groups of this many
+            consecutive ranks (a node's) and replicate across the groups; it must divide the world size. ``None``
+            (default): shard over every rank. See [Note: hybrid sharding] in ``lightning_zero/zero/hybrid.py``.
+        grad_reduction: stages 1 and 2: how gradient buckets are averaged: ``"all_reduce"`` (every rank receives
+            the whole bucket), ``"reduce_scatter"`` (each piece reduced into the rank that owns it, about DDP's bytes
+            per step; stage 2, or stage 1 with ``grad_sync="microbatch"``) or ``"auto"`` (default:
+            ``"reduce_scatter"`` on NCCL where it applies, else ``"all_reduce"``, the faster on gloo). See
+            [Note: gradient reduction] in ``lightning_zero/zero/stage12.py``.
         **kwargs: see :class:`~lightning_zero.strategies.base.ScratchParallelStrategy` (``find_unused_parameters``,
             ``broadcast_buffers``, the precision settings ``param_dtype``, ``reduce_dtype``, ``cast_module`` and
             ``master_weights``, ``process_group_backend``, ``timeout``, ``start_method``). ``grad_compression`` is
@@ -130,6 +138,8 @@ class ZeroStrategy(ScratchParallelStrategy):
         quantized_weights: bool = False,
         quantized_grads: bool = False,
         quant_block_size: int = QUANT_BLOCK_SIZE,
+        shard_size: int | None = None,
+        grad_reduction: str = "auto",
         **kwargs: Any,
     ) -> None:
         refuse_on_zero(f"zero{stage}_scratch", kwargs)
@@ -146,6 +156,8 @@ class ZeroStrategy(ScratchParallelStrategy):
             quantized_weights=quantized_weights,
             quantized_grads=quantized_grads,
             quant_block_size=quant_block_size,
+            shard_size=shard_size,
+            grad_reduction=grad_reduction,
             reduce_dtype=kwargs.get("reduce_dtype", DEFAULT),
         )
         super().__init__(**kwargs)
@@ -248,10 +260,11 @@ class ZeroStrategy(ScratchParallelStrategy):
         self._params = ShardedParams.of(self.model)  # a model too big to be gathered after an earlier fit
         self._apply_layer_sync(trainer)  # before sharding, so the engine hooks the converted modules
         self._apply_activation_checkpointing(trainer)
-        if self._params is not None and self._params.world_size != self.world_size:
+        shards = self.shard_size or self.world_size
+        if self._params is not None and self._params.world_size != shards:
             raise ValueError(
-                f"the model is sharded over {self._params.world_size} ranks by an earlier fit: this run has"
-                f" {self.world_size}; save a checkpoint and load it into a fresh model instead"
+                f"the model is sharded over {self._params.world_size} ranks by an earlier fit: this run shards over"
+                f" {shards}; save a checkpoint and load it into a fresh model instead"
             )
         if self._params is None:
             self._params = build_stage3(
@@ -300,7 +313,7 @@ class ZeroStrategy(ScratchParallelStrategy):
         unused = engine.unused_everywhere
         params = [p for p in engine.param_pieces if p.shard.grad is not None and p.name not in unused]
         device = self.root_device
-        norms = shard_grad_norms(params, norm_type, group=None, device=device)
+        norms = shard_grad_norms(params, norm_type, group=engine.group, device=device)  # each shard once
         return {p.name: norm.to(p.shard.dtype) for p, norm in zip(params, norms)}
 
     def _clip_grad_by_global_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:

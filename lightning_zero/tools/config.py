@@ -24,9 +24,10 @@ from lightning_zero.robust.engine import check_precision_settings, check_workers
 from lightning_zero.training.distributed import START_METHODS
 from lightning_zero.training.module_classes import module_classes
 from lightning_zero.training.precision import parse_dtype, resolve_policy, unified_precision
+from lightning_zero.zero.hybrid import check_shard_size
 from lightning_zero.zero.settings import QUANT_BLOCK_SIZE, STAGES, STATE_DICT_TYPES, check_quantization
 from lightning_zero.zero.stage3.materialize import MODEL_INIT_MODES
-from lightning_zero.zero.stage12 import GRAD_SYNC_MODES
+from lightning_zero.zero.stage12 import GRAD_SYNC_MODES, check_grad_reduction
 
 # Hydra's structured configs need ``Optional[...]`` (not ``X | None``) on Python 3.10.
 # ruff: noqa: UP045
@@ -127,6 +128,8 @@ class ZeroStrategyConf:
     quantized_weights: bool = False
     quantized_grads: bool = False
     quant_block_size: int = QUANT_BLOCK_SIZE
+    shard_size: Optional[int] = None
+    grad_reduction: str = "auto"
     activation_checkpointing_policy: Optional[list[str]] = None
     process_group_backend: Optional[str] = None
     timeout: float = 1800.0
@@ -169,6 +172,8 @@ class ZeroStrategyConf:
             raise ConfigError(f"grad_accum_dtype={self.grad_accum_dtype!r} applies to stages 1 and 2 only: got stage=3")
         with _as_config_error():
             check_quantization(self.quant_block_size, self.quantized_grads, self.reduce_dtype)
+            check_shard_size(self.shard_size)
+            check_grad_reduction(self.grad_reduction, self.stage, self.grad_sync)
 
 
 @dataclass
@@ -288,6 +293,8 @@ def validate_config(cfg: DictConfig) -> None:
         _check_model_parallel(strategy, trainer.get("devices", "auto"), num_nodes)
     if isinstance(schema, RobustDDPStrategyConf):
         _check_robust(schema, trainer.get("devices", "auto"), num_nodes)
+    if isinstance(schema, ZeroStrategyConf):
+        _check_shard_size(schema, trainer.get("devices", "auto"), num_nodes)
     if schema is not None:
         _check_precision(schema, trainer.get("precision", "32-true"))
 
@@ -309,16 +316,38 @@ def _check_precision(schema: Any, precision: Any) -> None:
         raise ConfigError(f"strategy ({schema._target_}) with trainer.precision={precision!r}: {err}") from None
 
 
-def _check_robust(schema: RobustDDPStrategyConf, devices: Any, num_nodes: int) -> None:
-    """The rule's tolerance bound for n = devices x num_nodes x workers_per_rank (when devices is a number)."""
+def _processes(devices: Any, num_nodes: int) -> int | None:
+    """devices x num_nodes when ``devices`` is a number of processes, else ``None`` ('auto', -1 or a list: the
+    strategy checks when the Trainer is built)."""
     if isinstance(devices, str) and devices.strip().isdigit():
         devices = int(devices)
-    if not isinstance(devices, int) or devices < 1:
-        return  # 'auto', -1 or a list: the strategy checks n when the Trainer is built
-    n = devices * num_nodes * schema.workers_per_rank
+    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+        return None
+    return devices * num_nodes
+
+
+def _check_shard_size(schema: ZeroStrategyConf, devices: Any, num_nodes: int) -> None:
+    """``shard_size`` against devices x num_nodes processes (when devices is a number)."""
+    processes = _processes(devices, num_nodes)
+    if processes is not None and schema.shard_size is not None:
+        try:
+            check_shard_size(schema.shard_size, processes)
+        except ValueError as err:
+            raise ConfigError(
+                f"strategy ({schema._target_}): {err} (trainer.devices={processes // num_nodes} x"
+                f" trainer.num_nodes={num_nodes})"
+            ) from None
+
+
+def _check_robust(schema: RobustDDPStrategyConf, devices: Any, num_nodes: int) -> None:
+    """The rule's tolerance bound for n = devices x num_nodes x workers_per_rank (when devices is a number)."""
+    processes = _processes(devices, num_nodes)
+    if processes is None:
+        return
     try:
-        schema.aggregator_pipeline().validate(n)
+        schema.aggregator_pipeline().validate(processes * schema.workers_per_rank)
     except ValueError as err:
+        devices = processes // num_nodes
         raise ConfigError(
             f"strategy (robust_ddp_scratch): {err} (n = trainer.devices={devices} x trainer.num_nodes={num_nodes}"
             f" x workers_per_rank={schema.workers_per_rank})"

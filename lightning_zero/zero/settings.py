@@ -18,9 +18,10 @@ from torch import nn
 from lightning_zero.training.distributed import check_bucket_size
 from lightning_zero.training.module_classes import module_classes
 from lightning_zero.training.precision import DEFAULT, PrecisionPolicy, parse_dtype
+from lightning_zero.zero.hybrid import check_shard_size, new_groups
 from lightning_zero.zero.stage3.engine import ShardedParams
 from lightning_zero.zero.stage3.materialize import MODEL_INIT_MODES
-from lightning_zero.zero.stage12 import GRAD_SYNC_MODES, ShardedOptimizer
+from lightning_zero.zero.stage12 import GRAD_SYNC_MODES, ShardedOptimizer, check_grad_reduction
 
 STAGES = (1, 2, 3)
 STATE_DICT_TYPES = ("sharded", "full")
@@ -59,6 +60,8 @@ class ZeroSettings:
     quantized_weights: bool
     quantized_grads: bool
     quant_block_size: int
+    shard_size: int | None
+    grad_reduction: str
 
     @classmethod
     def check(
@@ -75,10 +78,12 @@ class ZeroSettings:
         quantized_weights: bool = False,
         quantized_grads: bool = False,
         quant_block_size: int = QUANT_BLOCK_SIZE,
+        shard_size: int | None = None,
+        grad_reduction: str = "auto",
         reduce_dtype: Any = DEFAULT,
     ) -> ZeroSettings:
         """``reduce_dtype`` (the precision policy's setting, not stored here) is only checked against
-        ``quantized_grads``."""
+        ``quantized_grads``; ``shard_size`` against the world size when the engine is built."""
         if stage not in STAGES:
             raise ValueError(f"stage={stage!r} is invalid: expected 1, 2 or 3")
         stage3_only = {"auto_wrap_policy": auto_wrap_policy, "min_num_params": min_num_params}
@@ -94,12 +99,14 @@ class ZeroSettings:
                 f"grad_accum_dtype={grad_accum_dtype!r} applies to stages 1 and 2 only: stage=3 accumulates in its"
                 " fp32 shard"
             )
+        check_grad_reduction(grad_reduction, stage, grad_sync)
         if model_init not in MODEL_INIT_MODES:
             raise ValueError(f"model_init={model_init!r} is invalid: expected one of {MODEL_INIT_MODES}")
         misplaced = [k for k, v in stage3_only.items() if v is not None]
         if stage != 3 and misplaced:
             raise ValueError(f"{', '.join(misplaced)} apply to stage=3 only: got stage={stage}")
         check_quantization(quant_block_size, quantized_grads, reduce_dtype)
+        check_shard_size(shard_size)
         if auto_wrap_policy is not None and min_num_params is not None:
             raise ValueError("auto_wrap_policy and min_num_params are exclusive: pass one of them (or neither)")
         if min_num_params is not None and (type(min_num_params) is not int or min_num_params < 1):
@@ -122,6 +129,8 @@ class ZeroSettings:
             quantized_weights=bool(quantized_weights),
             quantized_grads=bool(quantized_grads),
             quant_block_size=quant_block_size,
+            shard_size=shard_size,
+            grad_reduction=grad_reduction,
         )
 
     def no_sync(self, engine: ShardedOptimizer | ShardedParams | None) -> AbstractContextManager:
@@ -155,7 +164,9 @@ def build_stage12(
     *,
     find_unused_parameters: bool,
 ) -> ShardedOptimizer:
-    """The ZeRO-1/2 engine over ``module`` and ``optimizer`` (rebuilt in place over this rank's shards)."""
+    """The ZeRO-1/2 engine over ``module`` and ``optimizer`` (rebuilt in place over this rank's shards); collective
+    (the hybrid sharding groups are created here)."""
+    groups = new_groups(settings.shard_size)
     return ShardedOptimizer(
         module,
         optimizer,
@@ -164,6 +175,9 @@ def build_stage12(
         bucket_cap_bytes=int(settings.bucket_size_mb * 2**20),
         find_unused_parameters=find_unused_parameters,
         accum_dtype=settings.grad_accum_dtype,
+        grad_reduction=settings.grad_reduction,
+        group=groups.shard,
+        replicate_group=groups.replicate,
         **engine_dtypes(policy),
     )
 
@@ -178,7 +192,8 @@ def build_stage3(
     find_unused_parameters: bool,
     rng_state: dict[str, torch.Tensor] | None = None,
 ) -> ShardedParams:
-    """The ZeRO-3 engine: ``module``'s parameters sharded per unit (attach the optimizer afterwards)."""
+    """The ZeRO-3 engine: ``module``'s parameters sharded per unit (attach the optimizer afterwards); collective."""
+    groups = new_groups(settings.shard_size)
     return ShardedParams(
         module,
         auto_wrap_policy=settings.auto_wrap_policy,
@@ -191,5 +206,7 @@ def build_stage3(
         find_unused_parameters=find_unused_parameters,
         weight_block_size=settings.quant_block_size if settings.quantized_weights else None,
         grad_block_size=settings.quant_block_size if settings.quantized_grads else None,
+        group=groups.shard,
+        replicate_group=groups.replicate,
         **engine_dtypes(policy),
     )

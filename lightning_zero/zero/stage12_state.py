@@ -121,15 +121,18 @@ def _numbering(engine: ShardedOptimizer) -> list[list[int]]:
 
 def _reduce_to_rank_zero(engine: ShardedOptimizer, g: _FlatGroup, shard_tensor: Tensor, i: int) -> Tensor | None:
     """Parameter ``i`` of ``g`` in full, from every rank's pieces of ``shard_tensor``: on the CPU of rank 0, ``None``
-    elsewhere (collective)."""
+    elsewhere (collective over the shard group; under hybrid sharding the other groups hold the same shards and
+    skip it)."""
+    dst = 0 if engine.group is None else dist.get_global_rank(engine.group, 0)
+    if dst != 0:
+        return None
     p, offset = g.params[i], g.layout.offsets[i]
     full = torch.zeros(p.numel(), dtype=shard_tensor.dtype, device=shard_tensor.device)
     lo, hi = g.layout.owned(engine.rank, offset, offset + p.numel())
     if lo < hi:
         full.narrow(0, lo - offset, hi - lo).copy_(shard_tensor.narrow(0, lo - g.start, hi - lo))
-    dst = 0 if engine.group is None else dist.get_global_rank(engine.group, 0)
-    comm.reduce(full, dst=dst, group=engine.group, tag="state_dict")
-    return full.view_as(p).to("cpu", copy=True) if engine.rank == 0 else None
+    comm.reduce(full, dst=0, group=engine.group, tag="state_dict")
+    return full.view_as(p).to("cpu", copy=True) if comm.rank() == 0 else None
 
 
 def full_state_dict(engine: ShardedOptimizer) -> dict[str, Any]:
@@ -151,7 +154,7 @@ def full_state_dict(engine: ShardedOptimizer) -> dict[str, Any]:
             if id(p) in index_of:
                 per_param = {k: _reduce_to_rank_zero(engine, g, v, index_of[id(p)]) for k, v in elementwise.items()}
                 state[number] = {**scalars, **per_param}
-    return {"state": state if engine.rank == 0 else {}, "param_groups": groups}
+    return {"state": state if comm.rank() == 0 else {}, "param_groups": groups}
 
 
 def load_full_state_dict(engine: ShardedOptimizer, state_dict: dict) -> None:

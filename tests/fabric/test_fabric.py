@@ -47,8 +47,8 @@ def _optimizer_and_scheduler(params) -> tuple[torch.optim.Optimizer, torch.optim
     return optimizer, torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
 
 
-def _fabric_loop(strategy) -> dict:
-    fabric = Fabric(accelerator="cpu", devices=WORLD, strategy=strategy)
+def _fabric_loop(strategy, world: int = WORLD) -> dict:
+    fabric = Fabric(accelerator="cpu", devices=world, strategy=strategy)
     fabric.launch()  # the workers are torchrun-like processes: nothing is launched
     optimizer, scheduler = _optimizer_and_scheduler((model := _net()).parameters())
     model, optimizer = fabric.setup(model, optimizer)
@@ -57,7 +57,7 @@ def _fabric_loop(strategy) -> dict:
         for micro in range(ACCUM):
             boundary = micro == ACCUM - 1
             comm.LEDGER.reset()
-            x, y = _batch(fabric.global_rank, step, micro)
+            x, y = _batch(fabric.global_rank, step, micro, world)
             with fabric.no_backward_sync(model, enabled=not boundary):
                 fabric.backward(F.mse_loss(model(x), y) / ACCUM)
             if not boundary:

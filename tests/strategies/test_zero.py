@@ -46,6 +46,10 @@ VARIANTS = [(stage, sync, g, "adamw") for stage in (1, 2) for sync in ("boundary
 ]
 
 
+# grad_reduction="reduce_scatter" ([Note: gradient reduction]): each bucket's pieces reduced into their owners.
+REDUCE_SCATTER = [(2, "microbatch", 3, "adamw"), (2, "boundary", 3, "sgd"), (1, "microbatch", 1, "adamw")]
+
+
 def _config(world_size: int, variant) -> ParityConfig:
     _, _, g, optimizer = variant
     if optimizer == "sgd":
@@ -82,10 +86,10 @@ class _Probe(LedgerPerBatch):
         )
 
 
-def _fit_probe(world_size: int, stage: int, grad_sync: str, g: int, module: ParityModule) -> dict:
+def _fit_probe(world_size: int, stage: int, grad_sync: str, g: int, module: ParityModule, **kwargs) -> dict:
     config = ParityConfig(world_size=world_size, accumulate_grad_batches=g, max_epochs=1)
     probe = _Probe()
-    strategy = ZeroStrategy(stage=stage, grad_sync=grad_sync, bucket_size_mb=SMALL_BUCKET_MB)
+    strategy = ZeroStrategy(stage=stage, grad_sync=grad_sync, bucket_size_mb=SMALL_BUCKET_MB, **kwargs)
     make_trainer(config, strategy, callbacks=[probe]).fit(module, train_loader(config))
     return vars(probe)
 
@@ -98,6 +102,12 @@ def _all_fits(world_size: int) -> dict:
         out[("memory", stage)] = _fit_probe(world_size, stage, None, 1, _WideModule())
         for sync in ("boundary", "microbatch"):
             out[("ledger", stage, sync)] = _fit_probe(world_size, stage, sync, 3, ParityModule())
+    for variant in REDUCE_SCATTER:
+        strategy = _strategy(variant, grad_reduction="reduce_scatter")
+        out["reduce_scatter", variant] = fit_lightning(_config(world_size, variant), strategy)
+    out["ledger", "reduce_scatter"] = _fit_probe(
+        world_size, 2, "microbatch", 3, ParityModule(), grad_reduction="reduce_scatter"
+    )
     return out
 
 
@@ -158,6 +168,32 @@ def test_communication_per_optimizer_step(fits, stage, grad_sync):
                 assert grads == padded_bytes  # every micro-batch reduces into the shard
             assert params == (padded_bytes if boundary else 0)
             assert 0 <= padded_bytes - 4 * probe["psi"] < 4 * 2 * len(per_rank)  # 4Ψ up to padding per group
+
+
+@pytest.mark.timeout(700)
+@pytest.mark.parametrize("variant", REDUCE_SCATTER, ids=lambda v: f"stage{v[0]}-{v[1]}-g{v[2]}-{v[3]}")
+def test_reduce_scatter_to_owners_matches_the_reference(fits, variant):
+    world_size, per_rank = fits
+    ours = per_rank[0]["reduce_scatter", variant]
+    assert max_abs_diff(ours, reference_params(_config(world_size, variant))) <= TOLERANCE
+    for rank_result in per_rank[1:]:
+        assert max_abs_diff(rank_result["reduce_scatter", variant], ours) == 0.0
+
+
+@pytest.mark.timeout(700)
+def test_reduce_scatter_reduces_each_piece_into_its_owner_only(fits):
+    """Every micro-batch: ``reduce`` calls (one per piece of a bucket inside one shard) over exactly the padded
+    flat bytes, and no gradient all-reduce; the shards are all-gathered at the boundary as before."""
+    _, per_rank = fits
+    for rank_result in per_rank:
+        probe = rank_result["ledger", "reduce_scatter"]
+        padded_bytes = 4 * probe["padded"]
+        for batch_idx, records in enumerate(probe["batches"]):
+            ops = {(op, tag) for op, tag, _ in records if tag in ("grads", "params")}
+            boundary = (batch_idx + 1) % 3 == 0 or batch_idx + 1 == len(probe["batches"])
+            assert ops == ({("reduce", "grads"), ("all_gather", "params")} if boundary else {("reduce", "grads")})
+            assert sum(b for op, tag, b in records if (op, tag) == ("reduce", "grads")) == padded_bytes
+            assert sum(1 for op, tag, _ in records if (op, tag) == ("reduce", "grads")) >= 2  # several pieces
 
 
 # ----------------------------------------------------------------------------------------------- checkpoints
@@ -253,6 +289,10 @@ def test_full_checkpoint_loads_into_plain_pytorch_without_lightning_zero(tmp_pat
         ({"state_dict_type": "zip"}, "state_dict_type='zip' is invalid"),
         ({"grad_accum_dtype": "int8"}, "grad_accum_dtype='int8' is invalid: expected 'auto', one of"),
         ({"stage": 3, "grad_accum_dtype": "bf16"}, "grad_accum_dtype='bf16' applies to stages 1 and 2 only"),
+        ({"grad_reduction": "tree"}, "grad_reduction='tree' is invalid: expected one of"),
+        ({"stage": 3, "grad_reduction": "all_reduce"}, "grad_reduction='all_reduce' applies to stages 1 and 2 only"),
+        ({"stage": 1, "grad_reduction": "reduce_scatter"}, "grad_reduction='reduce_scatter' needs stage=2, or"),
+        ({"stage": 2, "shard_size": 0}, "shard_size=0 is invalid: expected an integer >= 1 or None"),
     ],
 )
 def test_bad_settings_raise_one_clear_value_error(kwargs, message):

@@ -76,6 +76,13 @@ def test_quantized_communication_settings_reach_the_strategy(compose_cfg) -> Non
     assert (strategy.quantized_weights, strategy.quantized_grads, strategy.quant_block_size) == (True, True, 256)
 
 
+@pytest.mark.parametrize("name", ["zero1_scratch", "zero2_scratch", "zero3_scratch"])
+def test_shard_size_reaches_the_strategy(compose_cfg, name) -> None:
+    cfg = compose_cfg(f"strategy={name}", "strategy.shard_size=2", "trainer.devices=4")
+    validate_config(cfg)
+    assert instantiate(cfg.strategy).shard_size == 2
+
+
 def test_module_class_settings_take_import_paths(compose_cfg) -> None:
     from lightning_zero.demo.model import Block
 
@@ -155,6 +162,12 @@ def test_callbacks_and_logger_instantiate(compose_cfg, tmp_path: Path) -> None:
         (["strategy=zero1_scratch", "strategy.grad_accum_dtype=int8"], "grad_accum_dtype='int8' is invalid"),
         (["strategy=zero3_scratch", "strategy.grad_accum_dtype=bf16"], "applies to stages 1 and 2 only: got stage=3"),
         (["strategy=zero2_scratch", "strategy.quantized_weights=true"], "quantized_weights=True apply to stage=3 only"),
+        (
+            ["strategy=zero3_scratch", "strategy.shard_size=3", "trainer.devices=4"],
+            "shard_size=3 does not divide the world size 4: expected one of [1, 2, 4] or None (all ranks)"
+            " (trainer.devices=4 x trainer.num_nodes=1)",
+        ),
+        (["strategy=zero1_scratch", "strategy.shard_size=0"], "shard_size=0 is invalid: expected an integer >= 1"),
         (
             ["strategy=zero3_scratch", "strategy.quant_block_size=0"],
             "quant_block_size=0 is invalid: expected an integer",

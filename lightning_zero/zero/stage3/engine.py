@@ -109,7 +109,10 @@ class ShardedParams:
             qwZ; [Note: tensor roles]); ``None`` (default): in ``gather_dtype``, exactly.
         grad_block_size: reduce-scatter the gradients as blockwise int8 (ZeRO++'s qgZ), reduced in fp32; ``None``
             (default): in ``reduce_dtype``, exactly.
-        group: process group (``None``: the default group).
+        group: process group the shards split over (``None``: the default group).
+        replicate_group: hybrid sharding ([Note: hybrid sharding] in ``lightning_zero/zero/hybrid.py``): the group of
+            ranks holding the same shards as this one; ``group`` is then this rank's shard group, gradients reduced
+            in it are averaged across this group too, and the default group spans both.
     """
 
     def __init__(
@@ -131,6 +134,7 @@ class ShardedParams:
         weight_block_size: int | None = None,
         grad_block_size: int | None = None,
         group: Any = None,
+        replicate_group: Any = None,
     ) -> None:
         if grad_sync not in GRAD_SYNC_MODES:
             raise ValueError(f"grad_sync={grad_sync!r} is invalid: expected one of {GRAD_SYNC_MODES}")
@@ -143,6 +147,8 @@ class ShardedParams:
             raise ValueError("the module is sharded already (by an earlier fit): reuse ShardedParams.of(module)")
         _ENGINES[module] = weakref.ref(self)
         self.module, self.group, self.device = module, group, torch.device(device)
+        self.replicate_group = replicate_group
+        job = group if replicate_group is None else None  # every rank of the job: initial weights, checks
         self.reshard_after_forward, self.grad_sync = reshard_after_forward, grad_sync
         self.world_size, self.rank = comm.world_size(group), comm.rank(group)
         self._dtypes = (cast_dtype, gather_dtype, master_dtype)  # of every segment
@@ -161,9 +167,10 @@ class ShardedParams:
         for unit in self.units:
             params = [module.get_parameter(name) for name in unit.plan.param_names]
             self._build_segments(unit, [TRAINABLE if p.requires_grad else FROZEN for p in params], params)
-        load_real_tensors(module, self._load_param, self.device, group)
-        build_meta_modules(module, self._load_param, self.device, rng_state, group)
-        self._gather_order = GatherOrder([u.plan.label for u in self.units], group=group, timeout=timeout)
+        load_real_tensors(module, self._load_param, self.device, job)
+        build_meta_modules(module, self._load_param, self.device, rng_state, job)
+        self._gather_order = GatherOrder([u.plan.label for u in self.units], group=job, timeout=timeout)
+        self._job_group = job
         self._order: list[int] = []  # units in the order this pass gathered them in forward
         self._last_order = [u.index for u in self.units]  # the previous pass's (prefetch guide)
         self._pending: list[tuple[Unit, Segment, Tensor, Tensor, comm.Handle | None]] = []
@@ -422,6 +429,9 @@ class ShardedParams:
         unit, segment, out, grad_full, handle = self._pending.pop(0)
         self._wait_for([handle], f"gradient reduce-scatter of unit {unit.plan.label!r}")
         self._give(grad_full)
+        if self.replicate_group is not None:  # hybrid: the shard group's average, averaged across the replicas
+            dtype = None if self.grad_block_size is not None else self.reduce_dtype
+            comm.all_reduce(out, "avg", group=self.replicate_group, tag="grads", dtype=dtype)
         if out is segment.grad_acc:
             segment.shard.grad = out
         else:
@@ -453,7 +463,7 @@ class ShardedParams:
                     self._unit_done(unit)
             if sync and self.find_unused_parameters:
                 self._reduce_in_order(finish=True)
-                self._used.find_unused_everywhere(self.device, self.group)
+                self._used.find_unused_everywhere(self.device, self._job_group)
             while self._pending:
                 self._finish_reduction()
         finally:
@@ -555,7 +565,11 @@ class ShardedParams:
             for s in unit.segments
         ]
         return step_nbytes(
-            segments, self.world_size, weight_block_size=self.weight_block_size, grad_block_size=self.grad_block_size
+            segments,
+            self.world_size,
+            weight_block_size=self.weight_block_size,
+            grad_block_size=self.grad_block_size,
+            hybrid=self.replicate_group is not None,
         )
 
     @property

@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from lightning_zero.comm import collectives as comm
 from lightning_zero.zero.stage3.engine import ShardedParams
 from lightning_zero.zero.stage3.segments import Segment
 from lightning_zero.zero.stage12 import check_group_count, hyperparameters
@@ -69,7 +70,7 @@ def _template(mesh: DeviceMesh, shape: torch.Size, dtype: torch.dtype, device: t
 def _on_rank_zero(engine: ShardedParams, full: Tensor) -> Tensor | None:
     """A full checkpoint is written by rank 0: it keeps a CPU copy of each gathered value as it arrives, the other
     ranks nothing, so no rank holds more than one segment beyond its shards ([Note: stage-3 state dict layout])."""
-    return full.to("cpu", copy=True) if engine.rank == 0 else None
+    return full.to("cpu", copy=True) if comm.rank() == 0 else None  # global rank 0 (hybrid: not each group's)
 
 
 def _full(value: Tensor) -> Tensor:
@@ -84,7 +85,7 @@ def model_state_dict(engine: ShardedParams, sharded: bool) -> dict[str, Any]:
     for segment in engine.segments:
         for p, full in zip(segment.params, _per_param(engine, segment, segment.shard)):
             values[id(p)] = _to_dtensor(mesh, full) if mesh is not None else _on_rank_zero(engine, full)
-    if not sharded and engine.rank != 0:
+    if not sharded and comm.rank() != 0:
         return {}
     with engine.reading_placeholders():
         state = engine.module.state_dict(keep_vars=True)
@@ -174,7 +175,7 @@ def optimizer_state_dict(engine: ShardedParams, sharded: bool) -> dict[str, Any]
     numbers = _numbering(engine)
     state = {numbers[id(p)]: per_param[id(p)] for group in engine.original_groups for p in group if id(p) in per_param}
     groups = [{**hp, "params": [numbers[id(p)] for p in group]} for hp, group in zip(hyper, engine.original_groups)]
-    return {"state": state if engine.rank == 0 else {}, "param_groups": groups}
+    return {"state": state if comm.rank() == 0 else {}, "param_groups": groups}
 
 
 def _numbering(engine: ShardedParams) -> dict[int, int]:

@@ -13,6 +13,10 @@ the micro-batches, or not with ``"boundary"``): each unit is gathered before its
 Each trainable segment is reduce-scattered once. So with Ψ parameters, fp32 and every unit resharded: about 8Ψ of
 all-gather and 4Ψ of reduce-scatter per step; qwZ makes the first about 2Ψ (1 byte per element plus 4 per block),
 qgZ the second about Ψ.
+
+With hybrid sharding ([Note: hybrid sharding] in ``lightning_zero/zero/hybrid.py``) N is the shard group's size, and
+each trainable segment's reduced shard is then all-reduced across the replicas: ``k * itemsize`` more bytes under
+``"grads"`` (the ledger records an all-reduce's input), in the reduce dtype (qgZ: the shard's, after dequantizing).
 """
 
 from __future__ import annotations
@@ -52,9 +56,11 @@ def step_nbytes(
     *,
     weight_block_size: int | None = None,
     grad_block_size: int | None = None,
+    hybrid: bool = False,
 ) -> dict[str, int]:
     """Ledger bytes per optimizer step: ``{"params": all-gather output bytes, "grads": reduce-scatter input bytes}``,
-    the ledger's tags; ``weight_block_size`` / ``grad_block_size``: qwZ / qgZ in blocks of that size (``None``: off)."""
+    the ledger's tags; ``weight_block_size`` / ``grad_block_size``: qwZ / qgZ in blocks of that size (``None``: off);
+    ``hybrid``: plus the replicas' all-reduce of each reduced shard (``world_size`` is then the shard group's)."""
     segments = list(segments)
     params = sum(
         s.gathers * collective_nbytes(s.shard_numel, world_size, s.gather_itemsize, weight_block_size) for s in segments
@@ -64,4 +70,6 @@ def step_nbytes(
         for s in segments
         if s.trainable
     )
+    if hybrid:
+        grads += sum(s.shard_numel * s.reduce_itemsize for s in segments if s.trainable)
     return {"params": params, "grads": grads}
