@@ -1,19 +1,23 @@
 """Typed Hydra configs for our strategies, and the checks ``lightning-zero-train`` runs before any process starts.
 
 The YAML files of the ``strategy`` group (``lightning_zero/conf/strategy/*_scratch.yaml``) extend the schemas stored
-here in Hydra's ConfigStore (``strategy/zero_scratch_schema``, ``strategy/ddp_scratch_schema``,
-``strategy/robust_ddp_scratch_schema``), so a misspelt key
-or a value of the wrong type fails while the config is composed. Values out of range (``strategy.stage=4``) are
-caught by :func:`validate_config`, which builds the dataclass (its ``__post_init__``) and checks the trainer's
-settings, right after composition and before any ``Trainer`` or process exists.
+here in Hydra's ConfigStore (``defaults: [/zero_scratch_schema@_here_, _self_]``; also ``/ddp_scratch_schema`` and
+``/robust_ddp_scratch_schema``), so a misspelt key or a value of the wrong type fails while the config is composed.
+The schemas sit at the root of the ConfigStore, in no config group: they are no ``strategy=`` option and
+``--help`` does not list them. Values out of range (``strategy.stage=4``) and keys added with a ``+``
+(``+strategy.bucket_size_m=10``) are caught by :func:`validate_config`, which builds the dataclass (its
+``__post_init__``) and checks the trainer's settings, right after composition and before any ``Trainer`` or process
+exists.
 """
 
 from __future__ import annotations
 
+import difflib
 import inspect
+import pydoc
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field, is_dataclass
+from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
@@ -35,6 +39,17 @@ from lightning_zero.zero.stage12 import GRAD_SYNC_MODES, check_grad_reduction
 # The CLI accepts the backends it can run (the strategies also take "mpi" and "ucc").
 BACKENDS = ("gloo", "nccl")
 MODEL_PARALLEL_TARGET = "lightning.pytorch.strategies.ModelParallelStrategy"  # strategy=fsdp2
+# Keys Hydra reads from a node it instantiates; never arguments of the ``_target_``.
+HYDRA_KEYS = frozenset({"_target_", "_args_", "_recursive_", "_convert_", "_partial_"})
+# Lightning strategies that pass their ``**kwargs`` on to the torch wrapper they build: a key of ``strategy=ddp`` or
+# ``strategy=fsdp`` may be an argument of either. Left out: the wrapper's arguments the strategy sets itself.
+FORWARDED_KWARGS = {
+    "lightning.pytorch.strategies.DDPStrategy": ("torch.nn.parallel.DistributedDataParallel", ("module", "device_ids")),
+    "lightning.pytorch.strategies.FSDPStrategy": (
+        "torch.distributed.fsdp.FullyShardedDataParallel",
+        ("module", "device_id"),
+    ),
+}
 
 
 class ConfigError(ValueError):
@@ -235,18 +250,75 @@ SCHEMAS: dict[str, type] = {
 
 
 def register_configs() -> None:
-    """Store the schemas in Hydra's ConfigStore (group ``strategy``); safe to call again."""
+    """Store the schemas in Hydra's ConfigStore; safe to call again.
+
+    At the root, not in the ``strategy`` group: a config of a group is an option of it (``strategy=<name>``, listed
+    by ``--help`` and by Hydra's errors), and a schema alone is no strategy. The YAMLs extend them from their group
+    with an absolute path: ``- /zero_scratch_schema@_here_``.
+    """
     from hydra.core.config_store import ConfigStore
 
     cs = ConfigStore.instance()
     for name, node in SCHEMAS.items():
-        cs.store(group="strategy", name=name, node=node)
+        cs.store(name=name, node=node)
 
 
 def _trainer_arguments() -> set[str]:
     from lightning.pytorch import Trainer
 
     return {name for name in inspect.signature(Trainer.__init__).parameters if name != "self"}
+
+
+def _unknown_keys(section: str, unknown: list[str], allowed: set[str], owner: str) -> ConfigError:
+    """One message for keys nothing takes (a ``+key=`` override is added without any check), with the close
+    matches: Hydra's own hint for a misspelt key is to add it with a ``+``."""
+    close = [m for key in unknown for m in difflib.get_close_matches(key, sorted(allowed - HYDRA_KEYS), n=1)]
+    hint = f"; did you mean {', '.join(f'{section}.{m}' for m in close)}?" if close else ""
+    return ConfigError(f"{section} has unknown keys {unknown}: they are not arguments of {owner}{hint}")
+
+
+def _keyword_arguments(target: Any) -> tuple[set[str], bool]:
+    """The names ``target`` (a class: its ``__init__``) takes by keyword, and whether it also takes ``**kwargs``."""
+    try:
+        parameters = inspect.signature(target).parameters.values()
+    except (TypeError, ValueError):  # no signature to read (a builtin): anything goes
+        return set(), True
+    names = {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return names, any(p.kind is p.VAR_KEYWORD for p in parameters)
+
+
+def _check_strategy_keys(strategy: DictConfig) -> None:
+    """Every key of ``strategy`` is a field of its schema (typed strategies) or an argument of its ``_target_``.
+
+    An untyped ``_target_`` that takes ``**kwargs`` is checked with the wrapper it passes them to (DDP, FSDP: see
+    :data:`FORWARDED_KWARGS`); one that passes them elsewhere is not checked (its own arguments alone would refuse
+    keys it takes).
+    """
+    target = strategy.get("_target_")
+    schema = OmegaConf.get_type(strategy)
+    if is_dataclass(schema):
+        allowed, owner = {f.name for f in fields(schema)}, str(target)
+    elif isinstance(target, str):
+        try:
+            obj = pydoc.locate(target)
+        except pydoc.ErrorDuringImport as err:
+            raise ConfigError(f"strategy._target_={target!r} cannot be imported: {err.value!r}") from None
+        if obj is None:
+            raise ConfigError(f"strategy._target_={target!r} cannot be imported: expected the import path of a class")
+        allowed, var_keyword = _keyword_arguments(obj)
+        owner = target
+        if var_keyword:
+            forward = next((f for path, f in FORWARDED_KWARGS.items() if pydoc.locate(path) is obj), None)
+            if forward is None:
+                return
+            wrapper, set_by_strategy = forward
+            allowed |= _keyword_arguments(pydoc.locate(wrapper))[0] - set(set_by_strategy)
+            owner = f"{target} nor of {wrapper} (its **kwargs)"
+    else:
+        return
+    unknown = sorted(set(strategy) - HYDRA_KEYS - allowed)
+    if unknown:
+        raise _unknown_keys("strategy", unknown, allowed, owner)
 
 
 def _check_devices(devices: Any) -> None:
@@ -269,6 +341,8 @@ def validate_config(cfg: DictConfig) -> None:
     """Raise :class:`ConfigError` with one clear message if ``cfg`` cannot run; touches no process or device."""
     strategy = cfg.get("strategy")
     schema = None
+    if isinstance(strategy, DictConfig):
+        _check_strategy_keys(strategy)  # before the dataclass is built: to_object drops keys it does not have
     if isinstance(strategy, DictConfig) and is_dataclass(OmegaConf.get_type(strategy)):
         try:
             schema = OmegaConf.to_object(strategy)  # builds the dataclass: runs its __post_init__
@@ -277,9 +351,10 @@ def validate_config(cfg: DictConfig) -> None:
     trainer = cfg.get("trainer")
     if trainer is None:
         raise ConfigError("trainer is missing: choose one with trainer=cpu, trainer=gpu or trainer=ddp_sim")
-    unknown = sorted(set(trainer) - {"_target_"} - _trainer_arguments())
+    allowed = _trainer_arguments()
+    unknown = sorted(set(trainer) - {"_target_"} - allowed)
     if unknown:
-        raise ConfigError(f"trainer has unknown keys {unknown}: they are not arguments of lightning.pytorch.Trainer")
+        raise _unknown_keys("trainer", unknown, allowed, "lightning.pytorch.Trainer")
     if "strategy" in trainer:
         raise ConfigError("trainer.strategy is not used: choose the strategy with strategy=<name>")
     _check_devices(trainer.get("devices", "auto"))

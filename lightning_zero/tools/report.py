@@ -15,9 +15,11 @@ Runbook::
 Which dirs are jobs, which files are read and what a job's status means: :mod:`lightning_zero.tools.sweep_results`.
 
 Outputs (in ``--out``, default the given dir): ``report.csv`` (every column), ``report.md`` (the main columns, the
-per-rank breakdown, problems, the plots), ``loss_curves.png`` (train loss against step per job, validation loss as
-markers) and ``step_time_memory.png`` (median step time and peak model-state MiB per job and rank, the latter split
-into params / grads / optimizer / strategy buffers). Plots need matplotlib: ``pip install "lightning-zero[report]"``.
+per-rank breakdown, problems, the plots), ``loss_curves.png`` (train and validation loss against step per job; jobs
+that train identically, as parity between strategies makes them, would hide each other's curves, so coinciding curves
+are drawn in alternating dashes with nested markers and named in the legend and title) and ``step_time_memory.png``
+(median step time and peak model-state MiB per job and rank, the latter split into params / grads / optimizer /
+strategy buffers). Plots need matplotlib: ``pip install "lightning-zero[report]"``.
 
 With ``--heatmap ROW COL`` (two override keys; ``--facet KEY`` for one panel per value of a third, ``--metric``,
 default ``val/acc``): the last logged value of the metric per job, pivoted by the keys' values
@@ -32,7 +34,8 @@ import argparse
 import csv
 import math
 import sys
-from collections.abc import Iterable, Sequence
+import textwrap
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +45,7 @@ from lightning_zero.tools.sweep_results import (
     JobResult,
     Pivot,
     ReportError,
+    Series,
     collect,
     common_overrides,
     pivot,
@@ -247,34 +251,90 @@ def _plot_label(job: JobResult, common: Sequence[str]) -> str:
 
 
 MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+COINCIDE_REL_TOL = 1e-3  # a 0.1% difference is below a pixel on a loss plot: such curves hide each other
+MARKER_MAX_POINTS = 60  # series with at most this many points get a marker on every point
+LINE_WIDTH = 1.6
+DASH = 4.0  # one curve's turn in an alternating-dash line, in line widths
+MARKER_SIZE = {"train": 4.0, "val": 6.5}  # val markers are hollow and larger: they ring the train markers
+MARKER_STEP = 2.5  # coinciding markers shrink by this much per curve drawn over them, so each shows as a ring
 
 
-def plot_loss_curves(jobs: Sequence[JobResult], path: Path) -> None:
-    """Train loss against step, one line per job (labelled by its overrides); validation loss as dashed markers.
+def coincide(a: Series, b: Series, rel_tol: float = COINCIDE_REL_TOL) -> bool:
+    """Whether two ``(step, value)`` series would hide each other on a plot: they share at least one step, and at
+    every shared step the values are equal within ``rel_tol`` (relative to the larger magnitude; NaN matches NaN,
+    neither is drawn). Steps only one of them logged do not count: a short run that matches the start of a longer
+    one lies under it."""
+    other = dict(b)
+    shared = [(x, other[step]) for step, x in a if step in other]
+    return bool(shared) and all(
+        math.isclose(x, y, rel_tol=rel_tol) or (math.isnan(x) and math.isnan(y)) for x, y in shared
+    )
 
-    Jobs are told apart by colour and marker, and earlier jobs are drawn wider, so identical curves stay visible.
+
+def coincident_groups(series: Mapping[str, Series], rel_tol: float = COINCIDE_REL_TOL) -> list[list[str]]:
+    """The names of ``series`` grouped so that curves that :func:`coincide` share a group: the connected components
+    of "coincides with" (a short run matching the start of two diverging runs joins them). Every name is in one
+    group; groups are ordered by their first name, names in the order of ``series``."""
+    values = list(series.values())
+    groups: list[list[int]] = []
+    for j, s in enumerate(values):
+        touching = [g for g in groups if any(coincide(values[i], s, rel_tol) for i in g)]
+        groups = [g for g in groups if g not in touching] + [sorted([j, *(i for g in touching for i in g)])]
+    names = list(series)
+    return [[names[i] for i in g] for g in sorted(groups)]
+
+
+def _dashes(index: int, size: int, gap: int) -> tuple[float, tuple[float, float]]:
+    """The line style of curve ``index`` of ``size`` coinciding ones: dashes that take turns with the others' (then
+    ``gap`` empty turns), so that each curve shows its own colour in its turns wherever they overlap."""
+    period = (size + gap) * DASH
+    return (period - index * DASH) % period, (DASH, period - DASH)
+
+
+def loss_curves_figure(jobs: Sequence[JobResult]) -> Any:
+    """The figure of :func:`plot_loss_curves` (the caller closes it).
+
+    Jobs are told apart by colour and marker. Curves that coincide (:func:`coincident_groups`, train and val loss
+    separately) would hide each other, so they are drawn in alternating dashes, each curve in its own turns, their
+    markers nested (each one smaller than the one it is drawn over); their legend entries name a job they coincide
+    with (``"(train, = job 0)"``) and the title lists the groups. The data are drawn as logged, never offset.
     """
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(10, 6), layout="constrained")
     common = common_overrides(jobs)
     plotted = [j for j in jobs if j.train_loss or j.val_loss]
-    for k, j in enumerate(plotted):
-        color, marker = f"C{k % 10}", MARKERS[k % len(MARKERS)]
-        width = 1.2 + 2.0 * (len(plotted) - 1 - k) / max(1, len(plotted) - 1)
-        label = _plot_label(j, common)
-        if j.train_loss:
-            steps, values = zip(*j.train_loss)
-            mark = marker if len(steps) <= 60 else None
-            ax.plot(steps, values, color=color, lw=width, marker=mark, ms=3 + width, label=f"{label} (train)")
-        if j.val_loss:
-            steps, values = zip(*j.val_loss)
-            ax.plot(
-                steps, values, color=color, lw=width, ls="--", marker=marker, ms=5 + 1.5 * width, mfc="none",
-                mew=1.5, label=f"{label} (val)",
-            )  # fmt: skip
+    order = {j.job: k for k, j in enumerate(plotted)}
+    entries: dict[tuple[int, str], tuple[Any, str]] = {}  # (job's place, kind) -> legend proxy and text
+    notes = []
+    for kind in ("train", "val"):
+        series = {j.job: s for j in plotted if (s := j.train_loss if kind == "train" else j.val_loss)}
+        for group in coincident_groups(series):
+            if len(group) > 1:
+                notes.append(f"{len(group)} {kind}-loss curves (jobs {', '.join(group)})")
+            for index, name in enumerate(group):
+                k = order[name]
+                color, marker = f"C{k % 10}", MARKERS[k % len(MARKERS)]
+                steps, values = zip(*series[name])
+                gap = 0 if kind == "train" else 1  # val: dashed even alone, told from train by its gaps
+                style = "-" if gap == 0 and index == 0 else _dashes(index, len(group), gap)
+                mark = marker if len(steps) <= MARKER_MAX_POINTS else "None"
+                size = MARKER_SIZE[kind] + MARKER_STEP * (len(group) - 1 - index)
+                fill = color if kind == "train" else "none"
+                what = kind
+                if index > 0:
+                    what += f", = job {next(o for o in group if o != name and coincide(series[o], series[name]))}"
+                text = f"{_plot_label(plotted[k], common)} ({what})"
+                ax.plot(steps, values, color=color, lw=LINE_WIDTH, ls=style, marker=mark, ms=size, mfc=fill,
+                        mew=1.5, label=text)  # fmt: skip
+                proxy = plt.Line2D([], [], color=color, lw=LINE_WIDTH, ls="-" if kind == "train" else "--",
+                                   marker=mark, ms=MARKER_SIZE[kind], mfc=fill, mew=1.5)  # fmt: skip
+                entries[k, kind] = proxy, text
     title = "Loss by job"
     if common:
         title += "\n" + _short("every job: " + " ".join(common), 110)
+    if notes:
+        within = f"equal within {100 * COINCIDE_REL_TOL:g}% at every shared step, drawn in alternating dashes"
+        title += "\n" + textwrap.fill(f"Coinciding ({within}): {'; '.join(notes)}", 110)
     ax.set_title(title, fontsize=10)
     ax.set(xlabel="optimizer step", ylabel="loss")
     ax.grid(alpha=0.3)
@@ -282,12 +342,21 @@ def plot_loss_curves(jobs: Sequence[JobResult], path: Path) -> None:
     if missing:
         note = f"no loss logged: job {', '.join(missing)}"
         ax.text(0.99, 0.01, note, ha="right", va="bottom", transform=ax.transAxes, fontsize=8, color="C3")
-    if plotted:
-        ax.legend(fontsize=8)
+    if plotted:  # proxies: a legend sample of a dashed curve could fall in the other curves' turns and show nothing
+        handles, texts = zip(*(entries[key] for key in sorted(entries)))
+        ax.legend(handles, texts, fontsize=8)
     else:
         ax.text(0.5, 0.5, "no loss logged by any job", ha="center", va="center", transform=ax.transAxes)
+    return fig
+
+
+def plot_loss_curves(jobs: Sequence[JobResult], path: Path) -> None:
+    """Train loss against step, one line per job (labelled by its overrides); validation loss dashed, with hollow
+    markers. Series of at most ``MARKER_MAX_POINTS`` points are marked at every point; coinciding curves stay
+    visible (:func:`loss_curves_figure`)."""
+    fig = loss_curves_figure(jobs)
     fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _pyplot().close(fig)
 
 
 def _bar_label(job: JobResult, common: Sequence[str]) -> str:

@@ -9,9 +9,10 @@ With no arguments it runs the embedded demo: a character-level GPT on the stdlib
     lightning-zero-train --help             # list the config groups and their options
 
 Settings are checked right after composition (:func:`lightning_zero.tools.config.validate_config`): a bad value exits
-with one message before any process starts. Multi-process runs: Lightning's popen launcher re-executes this command
-for each extra local rank with ``hydra.run.dir`` pinned to this run's directory, so every rank writes into one run
-dir (rank ``r`` logs to ``train_ddp_process_<r>.log`` there). Sweeps of multi-process jobs work::
+with one message before any process starts, also recorded in the run's ``train.log`` (Hydra has already created the
+run dir, with the composed config in ``.hydra/``). Multi-process runs: Lightning's popen launcher re-executes this
+command for each extra local rank with ``hydra.run.dir`` pinned to this run's directory, so every rank writes into
+one run dir (rank ``r`` logs to ``train_ddp_process_<r>.log`` there). Sweeps of multi-process jobs work::
 
     lightning-zero-train -m strategy=ddp_scratch,zero1_scratch,zero3_scratch trainer.max_steps=50
 
@@ -31,7 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 from lightning_zero.tools.config import ConfigError, register_configs, validate_config
 from lightning_zero.tools.multirun import JobScope
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("lightning_zero.tools.train")  # not __name__: "__main__" under python -m
 
 register_configs()
 
@@ -115,6 +116,20 @@ def _report(out: dict[str, Any], output_dir: str, job_name: str) -> None:
     print("\n".join(lines), flush=True)
 
 
+def _log_to_files(message: str) -> None:
+    """Write ``message`` as an ERROR record of this module's logger to the job's log files (``<run dir>/train.log``)
+    only: the console gets it once, from ``SystemExit``; the log says why the run dir holds no results."""
+    if not log.isEnabledFor(logging.ERROR):
+        return
+    record = log.makeRecord(log.name, logging.ERROR, __file__, 0, message, None, None)
+    logger: logging.Logger | None = log
+    while logger is not None:  # the handlers logging.Logger.callHandlers would reach, the file ones alone
+        for handler in logger.handlers:
+            if isinstance(handler, logging.FileHandler) and record.levelno >= handler.level:
+                handler.handle(record)
+        logger = logger.parent if logger.propagate else None
+
+
 @hydra.main(version_base="1.3", config_path="pkg://lightning_zero.conf", config_name="train")
 def main(cfg: DictConfig) -> float | None:
     """The console script ``lightning-zero-train``; returns ``cfg.optimized_metric`` for a sweeper."""
@@ -123,6 +138,7 @@ def main(cfg: DictConfig) -> float | None:
     try:
         validate_config(cfg)
     except ConfigError as err:
+        _log_to_files(f"invalid configuration: {err}")
         raise SystemExit(f"lightning-zero-train: invalid configuration: {err}") from None
     hydra_cfg = HydraConfig.get()
     with JobScope() as job:

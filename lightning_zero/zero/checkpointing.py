@@ -17,6 +17,14 @@ A *full* checkpoint is that dict in one file written by rank 0 (``torch.load`` a
 (:mod:`lightning_zero.zero.checkpoint`): the tensors of ``"state_dict"`` under ``model.`` and the optimizer's
 per-element state under ``optimizer_0.`` go to DCP, each rank writing what it owns, and ``meta.pt`` holds the rest,
 the optimizer's ``param_groups`` as ``"optimizer_param_groups"``. Either kind loads at any world size.
+
+[Note: checkpoint info] Both kinds also carry ``"lightning_zero"`` (:meth:`ZeroCheckpointer.info`): the stage, the
+world size and shard size it was written at, the parameter names of each optimizer param group in the user's order,
+and the trainable parameters in registration order (a stage-1/2 flat group lays its trainable parameters out in that
+order). With these, ``lightning-zero-ckpt`` (:mod:`lightning_zero.tools.ckpt`) reads and converts a checkpoint
+offline, without the model's code or any process: a sharded optimizer state is keyed by parameter name (stage 3) or
+is one flat tensor per param group (stages 1 and 2), and the names say which elements are whose. Loading drops the
+entry again.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from typing import Any
 
 from torch import nn
 
+from lightning_zero.comm import collectives as comm
 from lightning_zero.zero import stage12_state as so_state
 from lightning_zero.zero.checkpoint import is_sharded_checkpoint, load_sharded, read_metadata, save_sharded
 from lightning_zero.zero.stage3 import state as sp_state
@@ -35,6 +44,7 @@ from lightning_zero.zero.stage12 import ShardedOptimizer
 
 MODEL, OPTIMIZERS, SCHEDULERS = "state_dict", "optimizer_states", "lr_schedulers"
 PARAM_GROUPS = "optimizer_param_groups"  # sharded checkpoints: each optimizer's param_groups, in meta.pt
+INFO, INFO_FORMAT = "lightning_zero", 1  # [Note: checkpoint info]
 
 
 class ZeroCheckpointer:
@@ -55,6 +65,25 @@ class ZeroCheckpointer:
         )
 
     # ------------------------------------------------------------ saving
+    def info(self) -> dict[str, Any]:
+        """[Note: checkpoint info]: ``format``, ``world_size``, ``sharded``, ``trainable`` (names in registration
+        order) and, with an engine, ``stage``, ``shard_size`` (ranks a shard is split over) and ``param_groups``
+        (names per group, in the user's order)."""
+        named = list(self.module.named_parameters())
+        names = {id(p): name for name, p in named}
+        out: dict[str, Any] = {"format": INFO_FORMAT, "world_size": comm.world_size(), "sharded": self.sharded}
+        out["trainable"] = [name for name, p in named if p.requires_grad]
+        if self.params is not None:
+            groups = self.params.original_groups
+            out.update(stage=3, shard_size=self.params.world_size)
+        elif isinstance(self.engine, ShardedOptimizer):
+            groups = [g.original_params for g in self.engine.groups]
+            out.update(stage=self.engine.stage, shard_size=self.engine.world_size)
+        else:
+            return out
+        out["param_groups"] = [[names[id(p)] for p in group] for group in groups]
+        return out
+
     def model_state(self) -> dict[str, Any]:
         """Stage 3: the weights gathered (full: rank 0) or as per-parameter DTensors; stages 1 and 2: the module's."""
         if self.params is None:
@@ -70,9 +99,9 @@ class ZeroCheckpointer:
 
     def save(self, checkpoint: dict[str, Any], path: str | Path, write_full: Callable[[dict[str, Any]], None]) -> None:
         """Write ``checkpoint`` (the layout above): a DCP directory, or through ``write_full`` (rank 0's file)."""
+        checkpoint = {**checkpoint, INFO: self.info()}
         if not self.sharded:
             return write_full(checkpoint)
-        checkpoint = dict(checkpoint)
         tensors: dict[str, Any] = {"model": checkpoint.pop(MODEL)}
         optimizer_states = checkpoint.pop(OPTIMIZERS, [])
         for i, state in enumerate(optimizer_states):
@@ -89,6 +118,7 @@ class ZeroCheckpointer:
         under ``"state_dict"`` and ``"optimizer_states"``."""
         if not is_sharded_checkpoint(path):
             checkpoint = read_full(path)
+            checkpoint.pop(INFO, None)
             optimizer_state = (checkpoint.get(OPTIMIZERS) or [None])[0]
             if self.has_optimizer and optimizer_state:
                 self.load_optimizer(optimizer_state)
@@ -112,6 +142,7 @@ class ZeroCheckpointer:
             )
         checkpoint = load_sharded(path, tensors)
         param_groups = checkpoint.pop(PARAM_GROUPS, [])
+        checkpoint.pop(INFO, None)
         if self.params is not None:
             sp_state.load_model_state_dict(self.params, model_state)
         checkpoint[MODEL] = model_state

@@ -142,10 +142,7 @@ def full_state_dict(engine: ShardedOptimizer) -> dict[str, Any]:
     for g, numbers, hyper in zip(engine.groups, _numbering(engine), hyperparameters(engine.optimizer.param_groups)):
         groups.append({**hyper, "params": numbers})
         shard_state = _with_master(engine, g)
-        # A copy of the scalars (e.g. Adam's step, equal on every rank): optimizers update them in place.
-        scalars = {
-            k: v.clone() if isinstance(v, Tensor) else v for k, v in shard_state.items() if not _elementwise(g, v)
-        }
+        scalars = {k: v for k, v in shard_state.items() if not _elementwise(g, v)}  # e.g. Adam's step, equal everywhere
         elementwise = {k: v.detach() for k, v in shard_state.items() if _elementwise(g, v)}
         if not shard_state:
             continue
@@ -153,7 +150,10 @@ def full_state_dict(engine: ShardedOptimizer) -> dict[str, Any]:
         for number, p in zip(numbers, g.original_params):
             if id(p) in index_of:
                 per_param = {k: _reduce_to_rank_zero(engine, g, v, index_of[id(p)]) for k, v in elementwise.items()}
-                state[number] = {**scalars, **per_param}
+                # A copy of the scalars per parameter: a plain optimizer that loads this increments each
+                # parameter's ``step`` in place, so one tensor shared by a group would count once per parameter.
+                copies = {k: v.clone() if isinstance(v, Tensor) else v for k, v in scalars.items()}
+                state[number] = {**copies, **per_param}
     return {"state": state if comm.rank() == 0 else {}, "param_groups": groups}
 
 

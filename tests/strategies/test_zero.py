@@ -267,6 +267,9 @@ def test_full_checkpoint_loads_into_plain_pytorch_without_lightning_zero(tmp_pat
         optimizer.load_state_dict(torch.load({str(ckpt)!r}, weights_only=False)["optimizer_states"][0])
         shapes = [tuple(s["exp_avg"].shape) for s in optimizer.state.values()]
         assert shapes == [tuple(p.shape) for g in optimizer.param_groups for p in g["params"]], shapes
+        # one step counter per parameter: AdamW increments each in place, so a shared one would count per parameter
+        steps = [s["step"] for s in optimizer.state.values()]
+        assert len({{t.data_ptr() for t in steps}}) == len(steps), "parameters share a step tensor"
         assert "lightning_zero" not in sys.modules
         print("loaded", len(shapes))
         """

@@ -14,15 +14,23 @@ from pathlib import Path
 
 import pytest
 import torch
+from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import ConfigCompositionException, MissingConfigException
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 import lightning_zero
 from lightning_zero.demo import CharGPTModule, CharTextDataModule
-from lightning_zero.tools.config import ConfigError, ScratchDDPStrategyConf, ZeroStrategyConf, validate_config
-from tests.helpers.cli import run_cli
-from tests.helpers.conf import options
+from lightning_zero.tools.config import (
+    SCHEMAS,
+    ConfigError,
+    RobustDDPStrategyConf,
+    ScratchDDPStrategyConf,
+    ZeroStrategyConf,
+    validate_config,
+)
+from tests.helpers.cli import CliRun, run_cli
+from tests.helpers.conf import CONF_DIR, options
 
 GROUPS = ("trainer", "strategy", "model", "data", "optimizer", "callbacks", "logger", "experiment")
 OUR_STRATEGIES = ("ddp_scratch", "zero1_scratch", "zero2_scratch", "zero3_scratch")
@@ -34,6 +42,21 @@ def test_every_group_has_itsoptions() -> None:
     assert {"csv", "tensorboard"} <= set(options("logger"))
     for group in (*GROUPS, "hydra"):
         assert options(group), f"conf/{group}/ has no options"
+
+
+def test_schemas_are_no_config_group_options(compose_cfg) -> None:
+    """The ConfigStore holds the schemas at its root: the groups and their options are exactly the YAML files."""
+    loader = GlobalHydra.instance().config_loader()
+    groups = {p.name for p in CONF_DIR.iterdir() if p.is_dir() and list(p.glob("*.yaml"))}
+    assert set(loader.list_groups("")) == groups | {"hydra"}
+    assert loader.get_group_options("strategy") == options("strategy")
+    assert set(SCHEMAS) <= set(loader.get_group_options(""))  # stored, at the root
+    for name in SCHEMAS:
+        with pytest.raises(MissingConfigException) as err:
+            compose_cfg(f"strategy={name}")
+        assert f"Could not find 'strategy/{name}'" in str(err.value)
+        listed = str(err.value).split("Available options in 'strategy':\n")[1].split("Config search path:")[0]
+        assert listed.split() == options("strategy")
 
 
 @pytest.mark.timeout(120)
@@ -54,16 +77,15 @@ def test_default_is_the_zero3_demo_on_two_cpu_processes(compose_cfg) -> None:
     assert cfg.optimized_metric == "val/ppl"
 
 
-@pytest.mark.parametrize("name", OUR_STRATEGIES)
+@pytest.mark.parametrize("name", [*OUR_STRATEGIES, "robust_ddp_scratch"])
 def test_our_strategy_configs_are_typed_and_instantiate(compose_cfg, name: str) -> None:
     cfg = compose_cfg(f"strategy={name}")
-    schema = ScratchDDPStrategyConf if name == "ddp_scratch" else ZeroStrategyConf
-    assert OmegaConf.get_type(cfg.strategy) is schema
+    schemas = {"ddp_scratch": ScratchDDPStrategyConf, "robust_ddp_scratch": RobustDDPStrategyConf}
+    classes = {"ddp_scratch": lightning_zero.ScratchDDPStrategy, "robust_ddp_scratch": lightning_zero.RobustDDPStrategy}
+    assert OmegaConf.get_type(cfg.strategy) is schemas.get(name, ZeroStrategyConf)
     strategy = instantiate(cfg.strategy)
-    if name == "ddp_scratch":
-        assert type(strategy) is lightning_zero.ScratchDDPStrategy
-    else:
-        assert type(strategy) is lightning_zero.ZeroStrategy
+    assert type(strategy) is classes.get(name, lightning_zero.ZeroStrategy)
+    if name.startswith("zero"):
         assert strategy.stage == int(name[4])
 
 
@@ -116,6 +138,15 @@ def test_lightning_ddp_config_instantiates(compose_cfg) -> None:
     assert type(instantiate(compose_cfg("strategy=ddp").strategy)) is DDPStrategy
 
 
+def test_lightning_ddp_takes_the_arguments_of_torch_ddp(compose_cfg) -> None:
+    """DDPStrategy passes its ``**kwargs`` to DistributedDataParallel: the key check lets those through."""
+    cfg = compose_cfg("strategy=ddp", "+strategy.bucket_cap_mb=10", "+strategy.gradient_as_bucket_view=true")
+    validate_config(cfg)
+    strategy = instantiate(cfg.strategy)
+    expected = {"find_unused_parameters": False, "bucket_cap_mb": 10, "gradient_as_bucket_view": True}
+    assert strategy._ddp_kwargs == expected
+
+
 @pytest.mark.timeout(60)
 def test_demo_data_model_and_optimizer_instantiate_and_step(compose_cfg) -> None:
     cfg = compose_cfg("data.max_chars=20000", "model.n_layer=1", "model.n_embd=32")
@@ -157,7 +188,52 @@ def test_callbacks_and_logger_instantiate(compose_cfg, tmp_path: Path) -> None:
         (["strategy=ddp_scratch", "strategy.bucket_size_mb=0"], "bucket_size_mb=0.0 is invalid"),
         (["trainer.devices=0"], "trainer.devices=0 is invalid: expected an integer >= 1"),
         (["trainer.num_nodes=0"], "trainer.num_nodes=0 is invalid"),
-        (["+trainer.max_stepz=3"], "trainer has unknown keys ['max_stepz']"),
+        (
+            ["+trainer.max_stepz=3"],
+            "trainer has unknown keys ['max_stepz']: they are not arguments of lightning.pytorch.Trainer;"
+            " did you mean trainer.max_steps?",
+        ),
+        # Keys added with a + (Hydra's own hint for a misspelt key) are not checked by the schema when composed.
+        (
+            ["strategy=ddp_scratch", "+strategy.bucket_size_m=10"],
+            "strategy has unknown keys ['bucket_size_m']: they are not arguments of lightning_zero.ScratchDDPStrategy;"
+            " did you mean strategy.bucket_size_mb?",
+        ),
+        (
+            ["+strategy.stagee=3", "+strategy.colour=red"],
+            "strategy has unknown keys ['colour', 'stagee']: they are not arguments of lightning_zero.ZeroStrategy;"
+            " did you mean strategy.stage?",
+        ),
+        (
+            ["strategy=robust_ddp_scratch", "+strategy.agregator=median"],
+            "strategy has unknown keys ['agregator']: they are not arguments of lightning_zero.RobustDDPStrategy;"
+            " did you mean strategy.aggregator?",
+        ),
+        (
+            ["strategy=ddp", "+strategy.bucket_size_m=10"],
+            "strategy has unknown keys ['bucket_size_m']: they are not arguments of"
+            " lightning.pytorch.strategies.DDPStrategy nor of torch.nn.parallel.DistributedDataParallel (its **kwargs);"
+            " did you mean strategy.bucket_cap_mb?",
+        ),
+        (
+            ["strategy=ddp", "+strategy.device_ids=[0]"],  # DDPStrategy sets it: a second one would be a TypeError
+            "strategy has unknown keys ['device_ids']",
+        ),
+        (
+            ["strategy=fsdp", "+strategy.forward_prefetc=true"],
+            "strategy has unknown keys ['forward_prefetc']: they are not arguments of"
+            " lightning.pytorch.strategies.FSDPStrategy nor of torch.distributed.fsdp.FullyShardedDataParallel"
+            " (its **kwargs); did you mean strategy.forward_prefetch?",
+        ),
+        (
+            ["strategy=fsdp2", "+strategy.data_paralel_size=2"],
+            "strategy has unknown keys ['data_paralel_size']: they are not arguments of"
+            " lightning.pytorch.strategies.ModelParallelStrategy; did you mean strategy.data_parallel_size?",
+        ),
+        (
+            ["strategy=fsdp2", "strategy._target_=lightning_zero.ModelParallel"],
+            "strategy._target_='lightning_zero.ModelParallel' cannot be imported: expected the import path of a class",
+        ),
         (["strategy.reduce_dtype=int8"], "reduce_dtype='int8' is invalid: expected 'auto', one of ['bf16'"),
         (["strategy=zero1_scratch", "strategy.grad_accum_dtype=int8"], "grad_accum_dtype='int8' is invalid"),
         (["strategy=zero3_scratch", "strategy.grad_accum_dtype=bf16"], "applies to stages 1 and 2 only: got stage=3"),
@@ -228,6 +304,7 @@ def test_bad_values_fail_validation_with_a_clear_message(compose_cfg, overrides:
     ("overrides", "error", "message"),
     [
         (["strategy=zero4_scratch"], MissingConfigException, "Could not find 'strategy/zero4_scratch'"),
+        (["strategy=zero_scratch_schema"], MissingConfigException, "Could not find 'strategy/zero_scratch_schema'"),
         (["strategy.stagee=3"], ConfigCompositionException, "strategy.stagee"),  # a typo in a key
         (["strategy.stage=three"], ConfigCompositionException, "strategy.stage=three"),  # a wrong type
     ],
@@ -247,16 +324,55 @@ def test_schema_rejects_unknown_keys_in_a_strategy_yaml(compose_cfg) -> None:
 # ---- the CLI as a subprocess ------------------------------------------------------------------------------------
 
 
+def _assert_refused(result: CliRun, run_dir: Path, message: str) -> None:
+    """Exit non-zero with ``message`` printed once, last, and recorded in the run dir's ``train.log``."""
+    assert result.returncode == 1, result.stdout[-6000:]
+    lines = [line for line in result.stdout.splitlines() if line.strip()]
+    assert lines[-1] == f"lightning-zero-train: invalid configuration: {message}", result.stdout[-6000:]
+    assert result.stdout.count(message) == 1 and "Traceback" not in result.stdout
+    # Hydra created the run dir before main ran: it holds the composed config and the reason, nothing else.
+    assert sorted(p.name for p in run_dir.iterdir()) == [".hydra", "train.log"]
+    (record,) = (run_dir / "train.log").read_text().splitlines()
+    assert record.endswith(f"[lightning_zero.tools.train][ERROR] - invalid configuration: {message}"), record
+    assert not result.leftover
+
+
 @pytest.mark.timeout(60)
 def test_cli_bad_override_exits_non_zero_with_one_message(tmp_path: Path) -> None:
-    result = run_cli(["strategy.stage=4"], tmp_path, timeout=45)
-    assert result.returncode != 0
-    lines = [line for line in result.stdout.splitlines() if line.strip()]
-    assert lines[-1] == (
-        "lightning-zero-train: invalid configuration: strategy (lightning_zero.ZeroStrategy):"
-        " stage=4 is invalid: expected 1, 2 or 3"
-    ), result.stdout
-    assert not (tmp_path / "outputs").exists() or not list((tmp_path / "outputs").rglob("*.ckpt"))
+    run_dir = tmp_path / "run"
+    result = run_cli(["strategy.stage=4", f"hydra.run.dir={run_dir}"], tmp_path, timeout=45)
+    message = "strategy (lightning_zero.ZeroStrategy): stage=4 is invalid: expected 1, 2 or 3"
+    _assert_refused(result, run_dir, message)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
+@pytest.mark.timeout(60)
+def test_cli_refuses_a_key_added_with_a_plus(tmp_path: Path) -> None:
+    """Hydra's hint for ``strategy.bucket_size_m=10`` is ``+strategy.bucket_size_m=10``: refused, not a TypeError."""
+    run_dir = tmp_path / "run"
+    args = ["strategy=ddp_scratch", "+strategy.bucket_size_m=10", f"hydra.run.dir={run_dir}"]
+    result = run_cli(args, tmp_path, timeout=45)
+    message = (
+        "strategy has unknown keys ['bucket_size_m']: they are not arguments of lightning_zero.ScratchDDPStrategy;"
+        " did you mean strategy.bucket_size_mb?"
+    )
+    _assert_refused(result, run_dir, message)
+
+
+@pytest.mark.timeout(90)
+def test_cli_lists_only_the_strategies_as_options(tmp_path: Path) -> None:
+    """``--help`` and Hydra's error for an unknown option list the YAMLs of ``strategy/``, not the schemas."""
+    result = run_cli(["--help"], tmp_path, timeout=40)
+    assert result.returncode == 0, result.stdout[-6000:]
+    assert f"strategy: {', '.join(options('strategy'))}" in result.stdout.splitlines()
+    assert "schema" not in result.stdout
+    run_dir = tmp_path / "run"
+    result = run_cli(["strategy=zero_scratch_schema", f"hydra.run.dir={run_dir}"], tmp_path, timeout=40)
+    assert result.returncode == 1
+    assert "In 'train': Could not find 'strategy/zero_scratch_schema'" in result.stdout
+    listed = "\n".join(f"\t{name}" for name in options("strategy"))
+    assert f"Available options in 'strategy':\n{listed}\nConfig search path:" in result.stdout, result.stdout
+    assert not run_dir.exists()  # refused while composing, before Hydra creates the run dir
 
 
 @pytest.mark.timeout(120)

@@ -174,6 +174,14 @@ def test_fsdp_wraps_each_block(compose_cfg) -> None:
     assert strategy.kwargs["auto_wrap_policy"]._module_classes == {Block}
 
 
+def test_fsdp_takes_the_arguments_of_torch_fsdp(compose_cfg) -> None:
+    """FSDPStrategy passes its ``**kwargs`` to FullyShardedDataParallel: the key check lets those through."""
+    cfg = compose_cfg("strategy=fsdp", "+strategy.forward_prefetch=true", "+strategy.limit_all_gathers=false")
+    validate_config(cfg)
+    strategy = instantiate(cfg.strategy)
+    assert (strategy.kwargs["forward_prefetch"], strategy.kwargs["limit_all_gathers"]) == (True, False)
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +19,13 @@ from lightning_zero.tools import report, sweep_results
 MIB = 2**20
 COMMON = ["trainer=ddp_sim", "trainer.max_steps=30", "paths.log_dir=/tmp/x"]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-TAB10 = {"C0": (0x1F, 0x77, 0xB4), "C1": (0xFF, 0x7F, 0x0E), "C2": (0x2C, 0xA0, 0x2C)}
+TAB10 = {
+    "C0": (0x1F, 0x77, 0xB4),
+    "C1": (0xFF, 0x7F, 0x0E),
+    "C2": (0x2C, 0xA0, 0x2C),
+    "C3": (0xD6, 0x27, 0x28),
+    "C4": (0x94, 0x67, 0xBD),
+}
 
 
 def _hydra_files(job: Path, overrides: list[str], strategy_target: str, stage: int | None = None) -> None:
@@ -234,6 +241,104 @@ def test_python_dash_m(multirun: Path, tmp_path: Path) -> None:
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert (out / "report.md").is_file() and len(_read_csv(out / "report.csv")) == 3
+
+
+# ----------------------------------------------------------------------------------------------------- loss curves
+SHORT = [(9, 4.1), (19, 3.5), (29, 3.0)]  # a 30-step run: three logged points
+HIGHER = [(s, v + 0.3) for s, v in SHORT]
+VAL = [(9, 3.9), (29, 3.1)]
+
+
+def _loss_job(
+    name: str, strategy: str, train: list[tuple[int, float]], val: list[tuple[int, float]] | None = None
+) -> sweep_results.JobResult:
+    metrics = {"train/loss": train, **({"val/loss": val} if val is not None else {})}
+    overrides = [f"strategy={strategy}", *COMMON]
+    return sweep_results.JobResult(job=name, path=Path(name), overrides=overrides, metrics=metrics,
+                                   train_loss_key="train/loss")  # fmt: skip
+
+
+def test_coincide_within_tolerance_at_every_shared_step() -> None:
+    assert report.coincide(SHORT, list(SHORT))
+    close = [(s, v * (1 + 1e-4)) for s, v in SHORT]  # 0.01% apart: within the default 0.1%
+    assert report.coincide(SHORT, close) and not report.coincide(SHORT, close, rel_tol=1e-5)
+    assert not report.coincide(SHORT, [(9, 4.1), (19, 3.5), (29, 3.01)])  # one step 0.3% apart
+    longer = [*SHORT, (39, 2.0), (49, 1.5)]
+    assert report.coincide(SHORT[:2], longer) and report.coincide(longer, SHORT[:2])  # a short run under a longer one
+    shifted = [(s + 1, v) for s, v in SHORT]
+    assert not report.coincide(SHORT, shifted) and not report.coincide(SHORT, [])  # no shared step
+    diverged = [(9, 4.1), (19, math.nan)]
+    assert report.coincide(diverged, list(diverged)) and not report.coincide(diverged, SHORT)
+
+
+def test_coincident_groups() -> None:
+    same = [(s, v * (1 - 1e-5)) for s, v in SHORT]
+    assert report.coincident_groups({"0": SHORT, "1": list(SHORT), "2": HIGHER, "3": same}) == [["0", "1", "3"], ["2"]]
+    assert report.coincident_groups({"0": HIGHER, "1": SHORT}, rel_tol=0.2) == [["0", "1"]]  # 0.3 on 3-4: within 20%
+    # A short run that matches the start of two runs diverging later lies under both: one group of three.
+    a, b = [*SHORT, (39, 2.0)], [*SHORT, (39, 2.5)]
+    assert report.coincident_groups({"a": a, "b": b}) == [["a"], ["b"]]
+    assert report.coincident_groups({"a": a, "x": HIGHER, "b": b, "s": SHORT[:2]}) == [["a", "b", "s"], ["x"]]
+
+
+def test_loss_curves_name_coinciding_jobs_and_mark_short_runs() -> None:
+    import matplotlib.pyplot as plt
+
+    jobs = [
+        _loss_job("0", "ddp", SHORT, VAL),
+        _loss_job("1", "ddp_scratch", list(SHORT), list(VAL)),
+        _loss_job("2", "zero3_scratch", HIGHER, VAL),
+        _loss_job("3", "zero1_scratch", SHORT),
+    ]
+    fig = report.loss_curves_figure(jobs)
+    try:
+        [ax] = fig.axes
+        assert [t.get_text() for t in ax.get_legend().get_texts()] == [
+            "0: strategy=ddp (train)",
+            "0: strategy=ddp (val)",
+            "1: strategy=ddp_scratch (train, = job 0)",
+            "1: strategy=ddp_scratch (val, = job 0)",
+            "2: strategy=zero3_scratch (train)",
+            "2: strategy=zero3_scratch (val, = job 0)",
+            "3: strategy=zero1_scratch (train, = job 0)",
+        ]
+        title = ax.get_title().replace("\n", " ")
+        assert "within 0.1% at every shared step" in title
+        assert "3 train-loss curves (jobs 0, 1, 3); 3 val-loss curves (jobs 0, 1, 2)" in title
+        lines = {line.get_label(): line for line in ax.get_lines()}
+        train = [lines[text] for text in ("0: strategy=ddp (train)", "1: strategy=ddp_scratch (train, = job 0)",
+                                          "3: strategy=zero1_scratch (train, = job 0)")]  # fmt: skip
+        for line in lines.values():  # the data as logged, a marker on each of the few points
+            assert line.get_marker() != "None" and line.get_markevery() is None
+        assert [list(zip(*line.get_data())) for line in train] == [SHORT] * 3
+        assert [line.get_linestyle() for line in train] == ["-", "--", "--"]  # the first solid, the others dashed
+        sizes = [line.get_markersize() for line in train]
+        assert sizes == sorted(sizes, reverse=True) and len(set(sizes)) == 3  # each marker rings the next
+        assert lines["2: strategy=zero3_scratch (train)"].get_linestyle() == "-"
+    finally:
+        plt.close(fig)
+
+
+@pytest.mark.parametrize(("jobs", "points"), [(5, 100), (3, 3)])
+def test_loss_curves_keep_every_coinciding_curve_visible(tmp_path: Path, jobs: int, points: int) -> None:
+    """Jobs that train identically: every job's colour shows along the curves (the legend removed), in many pixels."""
+    import matplotlib.pyplot as plt
+    from PIL import Image
+
+    series = [(2 * i, 4.0 - 0.01 * i) for i in range(points)]
+    fig = report.loss_curves_figure([_loss_job(str(k), f"s{k}", list(series)) for k in range(jobs)])
+    try:
+        ax = fig.axes[0]
+        assert all((line.get_marker() == "None") == (points > report.MARKER_MAX_POINTS) for line in ax.get_lines())
+        ax.get_legend().remove()
+        fig.savefig(tmp_path / "curves.png", dpi=110)
+    finally:
+        plt.close(fig)
+    with Image.open(tmp_path / "curves.png") as image:
+        rgb = image.convert("RGB")
+        counts = {color: n for n, color in rgb.getcolors(maxcolors=rgb.width * rgb.height)}
+    pixels = {name: counts.get(TAB10[name], 0) for name in list(TAB10)[:jobs]}
+    assert min(pixels.values()) >= 100, pixels
 
 
 # ----------------------------------------------------------------------------------------------------- heat map
