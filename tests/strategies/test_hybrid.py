@@ -15,7 +15,6 @@ import pytest
 
 import lightning_zero
 from lightning_zero import ZeroStrategy
-from lightning_zero.training.memory import model_state_bytes
 from lightning_zero.zero.hybrid import check_shard_size, hybrid_ranks
 from lightning_zero.zero.settings import ZeroSettings
 from lightning_zero.zero.stage3.engine import ShardedParams
@@ -36,7 +35,7 @@ from tests.helpers.parity import (
     reference_params,
     train_loader,
 )
-from tests.helpers.probes import LedgerPerBatch
+from tests.helpers.probes import ModelStateProbe
 from tests.helpers.workers import run_workers
 from tests.strategies.test_equivalence import TransformerModule, _loader, _tokens
 from tests.strategies.test_zero import SMALL_BUCKET_MB, _WideModule
@@ -85,14 +84,12 @@ def test_bad_shard_size_is_refused_with_the_numbers(shard_size, world_size, mess
 
 
 # ---------------------------------------------------------------- 4 processes
-class _Probe(LedgerPerBatch):
-    """Model-state bytes at the end of fit and the ledger of every training batch."""
+class _Probe(ModelStateProbe):
+    """Model-state bytes at the end of fit, the ledger of every training batch, the layout and its traffic theory."""
 
     def on_train_end(self, trainer, pl_module):
+        super().on_train_end(trainer, pl_module)
         engine = trainer.strategy.engine
-        params = list(pl_module.parameters()) + engine.shard_params
-        self.memory = model_state_bytes(params, trainer.optimizers, engine.strategy_buffers)
-        self.psi = sum(p.numel() for p in pl_module.parameters() if p.requires_grad)
         if isinstance(engine, ShardedParams):
             self.padded = sum(s.layout.padded_numel for s in engine.segments)
             self.theory = engine.step_nbytes()

@@ -17,7 +17,6 @@ from lightning.pytorch import Callback
 from torch import nn
 
 from lightning_zero import ZeroStrategy
-from lightning_zero.training.memory import model_state_bytes
 from lightning_zero.zero.stage12_state import full_state_dict
 from tests.helpers.parity import (
     ParityConfig,
@@ -29,7 +28,7 @@ from tests.helpers.parity import (
     reference_params,
     train_loader,
 )
-from tests.helpers.probes import LedgerPerBatch
+from tests.helpers.probes import ModelStateProbe
 from tests.helpers.workers import run_workers
 
 SLOW = pytest.mark.slow  # the rest of a matrix: in the slow run (CI runs both)
@@ -71,14 +70,12 @@ class _WideModule(ParityModule):
         self.net = nn.Sequential(nn.Linear(6, 96), nn.LayerNorm(96), nn.Tanh(), nn.Linear(96, 96), nn.Linear(96, 3))
 
 
-class _Probe(LedgerPerBatch):
-    """Memory at the end of fit (between steps) and the ledger of every training batch."""
+class _Probe(ModelStateProbe):
+    """Memory at the end of fit (between steps), the ledger of every training batch, the layout."""
 
     def on_train_end(self, trainer, pl_module):
+        super().on_train_end(trainer, pl_module)
         engine = trainer.strategy.engine
-        params = list(pl_module.parameters()) + engine.shard_params
-        self.memory = model_state_bytes(params, trainer.optimizers, engine.strategy_buffers)
-        self.psi = sum(p.numel() for p in pl_module.parameters() if p.requires_grad)
         self.padded = sum(g.layout.padded_numel for g in engine.groups)
         self.bucket_bytes = max(b.numel for b in engine.reducer.buckets) * 4
         self.state_numel = sum(

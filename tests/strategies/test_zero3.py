@@ -20,7 +20,6 @@ from torch import nn
 from torch.utils.data import DistributedSampler
 
 from lightning_zero import ZeroStrategy
-from lightning_zero.training.memory import model_state_bytes
 from lightning_zero.zero.stage3.engine import ShardedParams
 from lightning_zero.zero.stage3.state import optimizer_state_dict
 from tests.helpers.parity import (
@@ -34,7 +33,7 @@ from tests.helpers.parity import (
     reference_params,
     train_loader,
 )
-from tests.helpers.probes import LedgerPerBatch
+from tests.helpers.probes import ModelStateProbe
 from tests.helpers.workers import run_workers
 
 SLOW = pytest.mark.slow  # the rest of a matrix: in the slow run (CI runs both)
@@ -97,7 +96,7 @@ def _unsharded_bytes(engine: ShardedParams) -> int:
     return total + sum(grad.nbytes + (out is not s.grad_acc) * out.nbytes for _, s, out, grad, _ in engine._pending)
 
 
-class _Probe(LedgerPerBatch):
+class _Probe(ModelStateProbe):
     """Model-state bytes between steps, the peak of unsharded bytes inside steps, and the ledger of every batch."""
 
     def on_train_start(self, trainer, pl_module):
@@ -116,10 +115,8 @@ class _Probe(LedgerPerBatch):
         self.padded_bytes = sum(s.nbytes for s in engine.segments)
 
     def on_train_end(self, trainer, pl_module):
+        super().on_train_end(trainer, pl_module)
         engine = trainer.strategy.engine
-        params = list(pl_module.parameters()) + engine.shard_params
-        self.memory = model_state_bytes(params, trainer.optimizers, engine.strategy_buffers)
-        self.psi = sum(p.numel() for p in pl_module.parameters() if p.requires_grad)
         self.between_steps = _unsharded_bytes(engine)
 
 
