@@ -33,11 +33,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from lightning_zero.comm import collectives as comm
 from lightning_zero.zero import stage12_state as so_state
-from lightning_zero.zero.checkpoint import is_sharded_checkpoint, load_sharded, read_metadata, save_sharded
+from lightning_zero.zero.checkpoint import META_FILE, is_sharded_checkpoint, load_sharded, read_metadata, save_sharded
 from lightning_zero.zero.stage3 import state as sp_state
 from lightning_zero.zero.stage3.engine import ShardedParams
 from lightning_zero.zero.stage12 import ShardedOptimizer
@@ -124,6 +125,8 @@ class ZeroCheckpointer:
                 self.load_optimizer(optimizer_state)
             return checkpoint, False  # the front end loads the model, with its strictness, through load_model
         metadata = read_metadata(path)
+        if self.has_optimizer:
+            self._check_optimizer_layout(path, metadata)
         # Stage 1/2: views of the parameters, loaded in place. Stage 3: per-parameter DTensors.
         model_state = sp_state.model_template(self.params) if self.params is not None else self.module.state_dict()
         for name, tensor in model_state.items():
@@ -160,6 +163,28 @@ class ZeroCheckpointer:
         if isinstance(self.engine, ShardedOptimizer):
             self.engine.sync_after_load()  # master shards and parameters agree again
         return checkpoint, True
+
+    def _check_optimizer_layout(self, path: str | Path, metadata: Any) -> None:
+        """Refuse a sharded optimizer state of the other layout: stages 1 and 2 keep one flat tensor per param group,
+        stage 3 one tensor per parameter, and DCP would silently load none of the other's (it loads what the
+        templates ask for). The stage comes from [Note: checkpoint info], or from the keys in older checkpoints."""
+        info = torch.load(Path(path) / META_FILE, map_location="cpu", weights_only=False, mmap=True).get(INFO, {})
+        keys = [fqn for fqn in metadata.state_dict_metadata if fqn.startswith("optimizer_0.state.")]
+        if not keys:
+            return
+        if "stage" in info:
+            flat, saved = info["stage"] in (1, 2), f"stage {info['stage']}"
+        else:
+            flat = all(k.startswith("optimizer_0.state.group") for k in keys)
+            saved = "stage 1 or 2" if flat else "stage 3"
+        mine = 3 if self.params is not None else self.engine.stage
+        if flat != (mine != 3):
+            layout = "one flat tensor per param group" if flat else "one tensor per parameter"
+            raise ValueError(
+                f"{path} holds a {saved} sharded optimizer state ({layout}), which stage {mine} cannot read: convert"
+                f" it first (lightning-zero-ckpt convert {path} NEW --stage {mine}), or resume from a full checkpoint"
+                " (state_dict_type='full'), which any stage reads"
+            )
 
     def load_optimizer(self, state: dict[str, Any]) -> None:
         """An optimizer state in the unsharded optimizer's format (any world size) into the shards."""

@@ -156,6 +156,21 @@ def test_converted_checkpoint_resumes_at_another_stage_and_world_size(saved, tmp
     assert_optimizer_states_equal(resumed["optimizer"], reference["optimizer_states"][0])
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("source", "target"), [(1, 3), (3, 2)])
+def test_resuming_the_other_layout_is_refused_before_loading(saved, source, target):
+    """Without the check DCP loads none of the other layout's optimizer tensors and the run resumes with fresh
+    moments, silently."""
+    path = saved / f"stage{source}.sharded"
+    with pytest.raises(RuntimeError) as error:
+        run_workers(_resume, 3, str(path), target, CASES[source - 1][1], timeout=200)
+    layout = "one flat tensor per param group" if source < 3 else "one tensor per parameter"
+    assert f"{path} holds a stage {source} sharded optimizer state ({layout}), which stage {target} cannot read" in (
+        str(error.value)
+    )
+    assert f"lightning-zero-ckpt convert {path} NEW --stage {target}" in str(error.value)
+
+
 def test_convert_refuses_a_bad_stage_and_an_existing_target(saved, tmp_path, capsys):
     for argv, message in (
         (["convert", str(saved / "stage1.full"), str(tmp_path / "x"), "--stage", "4"], "--stage 4 is invalid"),
