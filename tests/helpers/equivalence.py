@@ -12,9 +12,9 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.strategies import DDPStrategy
-from torch.utils.data import DistributedSampler, Sampler
 
 from lightning_zero import RobustDDPStrategy, ScratchDDPStrategy, ZeroStrategy
+from lightning_zero.tools.parity import GlobalBatchSampler as GlobalBatchSampler  # re-exported for the tests
 
 OURS = ("ddp_scratch", "robust_ddp_scratch", "zero1_scratch", "zero2_scratch", "zero3_scratch")
 """Every registered strategy (the ``_spawn`` variants differ in the launcher only)."""
@@ -53,40 +53,6 @@ class Recorder(L.Callback):
 
     def on_validation_epoch_end(self, trainer, pl_module):
         self.val.append({k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val")})
-
-
-class GlobalBatchSampler(Sampler[list[int]]):
-    """One process, the global batches of ``world_size`` ranks: batch k is every rank's k-th batch under Lightning's
-    shuffling ``DistributedSampler(seed=seed)``, concatenated in rank order.
-
-    It exposes itself as ``.sampler``: Lightning calls ``set_epoch`` on ``batch_sampler.sampler``.
-    """
-
-    def __init__(self, dataset_size: int, world_size: int, batch_size: int, seed: int = 0) -> None:
-        self.dataset_size, self.world_size, self.batch_size, self.seed = dataset_size, world_size, batch_size, seed
-        self.epoch = 0
-        self.sampler = self
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def _ranks(self) -> list[list[int]]:
-        out = []
-        for rank in range(self.world_size):
-            sampler = DistributedSampler(
-                range(self.dataset_size), num_replicas=self.world_size, rank=rank, shuffle=True, seed=self.seed
-            )
-            sampler.set_epoch(self.epoch)
-            out.append(list(sampler))
-        return out
-
-    def __iter__(self):
-        ranks = self._ranks()
-        for k in range(len(self)):
-            yield [i for indices in ranks for i in indices[k * self.batch_size : (k + 1) * self.batch_size]]
-
-    def __len__(self) -> int:
-        return -(-len(self._ranks()[0]) // self.batch_size)
 
 
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
