@@ -14,6 +14,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_zero import fabric
 from lightning_zero.strategies import RobustDDPStrategy, ScratchDDPStrategy, ScratchParallelStrategy, ZeroStrategy
 from lightning_zero.strategies.grad_norm import grad_norm
+from lightning_zero.training.preemption import Preempted, PreemptionCheckpoint
 
 __version__ = "0.1.0.dev0"
 
@@ -25,6 +26,8 @@ fabric.RobustDDPStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
 fabric.ZeroStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
 
 __all__ = [
+    "Preempted",
+    "PreemptionCheckpoint",
     "RobustDDPStrategy",
     "RunStats",
     "ScratchDDPStrategy",

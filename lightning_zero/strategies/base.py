@@ -56,7 +56,8 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_zero.comm import collectives as comm
-from lightning_zero.training import activation_checkpointing
+from lightning_zero.training import activation_checkpointing, faults
+from lightning_zero.training.checkpoint_checks import check_shapes, reading, shapes_of
 from lightning_zero.training.distributed import (
     DistributedPlumbing,
     broadcast_module_states,
@@ -66,6 +67,7 @@ from lightning_zero.training.precision import (
     DEFAULT,
     PrecisionPolicy,
 )
+from lightning_zero.training.preemption import Preempted
 from lightning_zero.training.sync_batchnorm import ScratchSyncBatchNorm
 
 log = logging.getLogger(__name__)
@@ -77,15 +79,36 @@ class SpawnLauncher(_MultiProcessingLauncher):
     A worker that exits with its gloo process group alive was measured to abort now and then ("terminate called
     without an active exception", SIGABRT) while the interpreter shuts down, failing a ``trainer.validate`` that
     itself succeeded; it happened in sweeps of spawn jobs under load.
+
+    A worker that stops on preemption (:class:`~lightning_zero.training.preemption.Preempted`) hands that to the
+    main process, which raises it in turn: Lightning's launcher would otherwise wait forever for rank 0's results.
     """
 
     @override
-    def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
+    def _wrapping_function(
+        self,
+        process_idx: int,
+        trainer: Any,
+        function: Any,
+        args: Any,
+        kwargs: Any,
+        return_queue: Any,
+        global_states: Any = None,
+    ) -> None:
         try:
-            super()._wrapping_function(*args, **kwargs)
+            super()._wrapping_function(process_idx, trainer, function, args, kwargs, return_queue, global_states)
+        except Preempted as preempted:
+            if process_idx == 0:
+                return_queue.put(preempted)
         finally:
             if dist.is_available() and dist.is_initialized():
                 dist.destroy_process_group()
+
+    @override
+    def _recover_results_in_main_process(self, worker_output: Any, trainer: pl.Trainer) -> None:
+        if isinstance(worker_output, Preempted):
+            raise worker_output
+        super()._recover_results_in_main_process(worker_output, trainer)
 
 
 class ScratchParallelStrategy(DistributedPlumbing, ParallelStrategy):
@@ -316,6 +339,24 @@ class ScratchParallelStrategy(DistributedPlumbing, ParallelStrategy):
     def _engine_no_sync(self) -> AbstractContextManager:
         """What the gradient engine does on a non-boundary micro-batch (subclasses: skip communication)."""
         return nullcontext()
+
+    # ------------------------------------------------------------ checkpoints
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Lightning's, with a truncated or foreign file refused by name before any weight changes
+        (:mod:`lightning_zero.training.checkpoint_checks`)."""
+        with reading(checkpoint_path):
+            checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        module = self.lightning_module
+        if module is not None:
+            check_shapes(checkpoint_path, shapes_of(checkpoint.get("state_dict", {})), shapes_of(module.state_dict()))
+        return checkpoint
+
+    # ------------------------------------------------------------ faults
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        """A fit that fails because a peer died says which rank (:mod:`lightning_zero.training.faults`)."""
+        faults.explain(exception, self.global_rank, self.world_size)
 
     # ------------------------------------------------------------ Lightning's collectives
     @override

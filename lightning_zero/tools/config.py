@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import os
 import pydoc
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -372,6 +373,19 @@ def validate_config(cfg: DictConfig) -> None:
         _check_shard_size(schema, trainer.get("devices", "auto"), num_nodes)
     if schema is not None:
         _check_precision(schema, trainer.get("precision", "32-true"))
+    _check_ckpt_path(cfg.get("ckpt_path"))
+
+
+def _check_ckpt_path(ckpt_path: Any) -> None:
+    """``ckpt_path`` is Lightning's ``fit(ckpt_path=...)``: ``last`` (resume if a ``last*.ckpt`` exists, else start),
+    ``hpc`` (SLURM), or an existing checkpoint file or directory."""
+    if ckpt_path is None or ckpt_path in ("last", "hpc"):
+        return
+    if not isinstance(ckpt_path, str) or not os.path.exists(ckpt_path):
+        raise ConfigError(
+            f"ckpt_path={ckpt_path!r} is invalid: expected null, 'last' (resume from the newest last*.ckpt in the"
+            " checkpoint directory if there is one), 'hpc', or an existing checkpoint path"
+        )
 
 
 def _check_precision(schema: Any, precision: Any) -> None:

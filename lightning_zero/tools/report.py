@@ -52,7 +52,10 @@ from lightning_zero.tools.sweep_results import (
     varying_overrides,
 )
 
-INSTALL_HINT = 'plots need matplotlib: pip install "lightning-zero[report]"'
+INSTALL_HINT = (
+    'plots need matplotlib: pip install "lightning-zero[report]"; the tables (report.csv, report.md) are written, and'
+    " --no-plots writes them alone without this error"
+)
 NA = "n/a"
 HEATMAP_PNG, HEATMAP_CSV = "heatmap.png", "heatmap.csv"
 

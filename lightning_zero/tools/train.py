@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from typing import Any
 
 import hydra
@@ -35,6 +36,28 @@ from lightning_zero.tools.multirun import JobScope
 log = logging.getLogger("lightning_zero.tools.train")  # not __name__: "__main__" under python -m
 
 register_configs()
+
+
+# Messages every run printed that a user of this CLI cannot act on: Lightning's own use of a deprecated torch pytree
+# API, the advertisement for its cloud logger, and the note that validation after a multi-process fit uses a
+# DistributedSampler (this CLI validates on every rank on purpose: the metrics are reduced across them).
+_UNACTIONABLE_WARNINGS = (
+    r".*isinstance\(treespec, LeafSpec\)` is deprecated",
+    r"Using `DistributedSampler` with the dataloaders\. During `trainer\.validate\(\)`",
+)
+_UNACTIONABLE_INFO = ("💡 Tip:",)
+
+
+class _DropInfo(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(_UNACTIONABLE_INFO)
+
+
+def _quiet_unactionable_messages() -> None:
+    for pattern in _UNACTIONABLE_WARNINGS:
+        warnings.filterwarnings("ignore", message=pattern)
+    for name in ("lightning_utilities.core.rank_zero", "lightning.pytorch.utilities.rank_zero"):
+        logging.getLogger(name).addFilter(_DropInfo())
 
 
 def _processes_per_node(trainer_cfg: DictConfig) -> int:
@@ -75,16 +98,16 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     trainer = instantiate(cfg.trainer, strategy=strategy, callbacks=callbacks, logger=loggers or False)
     for logger in loggers:
         logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
-    return {"trainer": trainer, "model": model, "datamodule": datamodule}
+    return {"trainer": trainer, "model": model, "datamodule": datamodule, "ckpt_path": cfg.get("ckpt_path")}
 
 
-def fit_and_validate(trainer: Any, model: Any, datamodule: Any) -> dict[str, Any]:
+def fit_and_validate(trainer: Any, model: Any, datamodule: Any, ckpt_path: str | None = None) -> dict[str, Any]:
     """Fit, then validate. Returns ``{"metrics": ..., "history": [(step, value), ...], "history_metric": name,
     "trainer": ...}``: ``history`` is the module's ``val_history`` (one entry per validation pass, the sanity check
     included), the values of its ``history_metric`` (``val/ppl`` for the char demo, ``val/loss`` for digits).
     """
     log.info("rank %d of %d: fitting with %s", trainer.global_rank, trainer.world_size, type(trainer.strategy).__name__)
-    trainer.fit(model, datamodule=datamodule)
+    trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
     history = list(getattr(model, "val_history", []))
     results = trainer.validate(model, datamodule=datamodule, verbose=False)
     metrics = {k: float(v) for k, v in (results[0] if results else {}).items()}
@@ -135,6 +158,7 @@ def main(cfg: DictConfig) -> float | None:
     """The console script ``lightning-zero-train``; returns ``cfg.optimized_metric`` for a sweeper."""
     from hydra.core.hydra_config import HydraConfig
 
+    _quiet_unactionable_messages()
     try:
         validate_config(cfg)
     except ConfigError as err:

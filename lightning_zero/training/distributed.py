@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import atexit
+import os
 from datetime import timedelta
 from functools import partial
 from typing import Any
@@ -33,7 +34,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch import Tensor, nn
 
 from lightning_zero.comm import collectives as comm
-from lightning_zero.training import activation_checkpointing
+from lightning_zero.training import activation_checkpointing, faults
 from lightning_zero.training.precision import (
     DEFAULT,
     PrecisionPolicy,
@@ -82,6 +83,32 @@ def destroy_process_group_at_exit() -> None:
     if not _exit_handler_registered:
         atexit.register(_destroy_process_group_at_exit)
         _exit_handler_registered = True
+
+
+def _uses_torchrun_agent_store() -> bool:
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+
+
+def elastic_attempt_store(timeout: timedelta | float | None) -> dist.Store:
+    """torchrun's store, seen through a prefix of this restart attempt.
+
+    [Note: torchrun restarts] With ``--rdzv-backend c10d`` (torchrun's default for ``--max-restarts``) the workers
+    share the agent's rendezvous store across restarts, and ``init_process_group`` keys nothing by attempt
+    (pytorch/pytorch#135712, #167288): a restarted rank can read a peer's address from the failed attempt and give up
+    with ``Gloo connectFullMesh failed ... Connection refused``, as measured here in one restart of three. Torch's
+    own store handler used to add an ``attempt_<n>`` prefix; this puts it back. ``TORCHELASTIC_RESTART_COUNT``
+    agrees across the ranks of one agent; a multi-node job whose agents restart unevenly should still launch
+    ``torchrun`` with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (then this is not used).
+    """
+    if isinstance(timeout, (int, float)):
+        timeout = timedelta(seconds=timeout)
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        timeout=timeout if timeout is not None else default_pg_timeout,
+    )
+    return dist.PrefixStore(f"/worker/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def _reduce_op_name(reduce_op: Any) -> str:
@@ -136,6 +163,7 @@ class DistributedPlumbing:
     local_rank: int
     node_rank: int
     global_rank: int
+    world_size: int
 
     def _init_settings(
         self,
@@ -228,6 +256,10 @@ class DistributedPlumbing:
     @property
     def root_device(self) -> torch.device:
         assert self.parallel_devices is not None
+        if len(self.parallel_devices) == 1:
+            # A process given one device uses it whatever its local rank: under Ray Train each worker is its own
+            # Trainer (``devices="auto"`` counts one CPU) while its local rank counts the node's workers.
+            return self.parallel_devices[0]
         return self.parallel_devices[self.local_rank]
 
     @property
@@ -244,7 +276,9 @@ class DistributedPlumbing:
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+        # The cluster environment's world size: ``set_world_ranks`` makes it num_nodes * num_processes where
+        # Lightning counts the processes, and an environment that counts them itself (Ray Train's) reports its own.
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
 
     @property
     def process_group_backend(self) -> str | None:
@@ -267,10 +301,12 @@ class DistributedPlumbing:
         self._process_group_backend = self._resolved_backend()
         assert self.cluster_environment is not None
         device_id = self.root_device if self.root_device.type == "cuda" else None
+        store = {"store": elastic_attempt_store(self._timeout)} if _uses_torchrun_agent_store() else {}
         _init_dist_connection(
-            self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
+            self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id, **store
         )
         destroy_process_group_at_exit()
+        faults.record_process(self.global_rank)
 
     def _check_before_launch(self) -> None:
         """When the Trainer or Fabric attaches the accelerator and the precision plugin, before any process starts:

@@ -37,6 +37,13 @@ import torch
 from torch import nn
 
 from lightning_zero.comm import collectives as comm
+from lightning_zero.training.checkpoint_checks import (
+    CheckpointError,
+    check_format,
+    check_shapes,
+    reading,
+    shapes_of,
+)
 from lightning_zero.zero import stage12_state as so_state
 from lightning_zero.zero.checkpoint import META_FILE, is_sharded_checkpoint, load_sharded, read_metadata, save_sharded
 from lightning_zero.zero.stage3 import state as sp_state
@@ -117,25 +124,27 @@ class ZeroCheckpointer:
         model was loaded: if not (full files), the front end loads ``checkpoint["state_dict"]`` with
         :meth:`load_model`, with its own hooks and strictness. A sharded checkpoint comes back with this rank's pieces
         under ``"state_dict"`` and ``"optimizer_states"``."""
+        if Path(path).is_dir() and not is_sharded_checkpoint(path):
+            raise CheckpointError(f"sharded checkpoint {path} has no {META_FILE}: its save did not finish")
         if not is_sharded_checkpoint(path):
-            checkpoint = read_full(path)
-            checkpoint.pop(INFO, None)
+            with reading(path):
+                checkpoint = read_full(path)
+            check_format(path, checkpoint.pop(INFO, None) or {}, INFO_FORMAT)
+            check_shapes(path, shapes_of(checkpoint.get(MODEL, {})), self._model_shapes())
             optimizer_state = (checkpoint.get(OPTIMIZERS) or [None])[0]
             if self.has_optimizer and optimizer_state:
                 self.load_optimizer(optimizer_state)
             return checkpoint, False  # the front end loads the model, with its strictness, through load_model
         metadata = read_metadata(path)
+        with reading(Path(path) / META_FILE):
+            info = torch.load(Path(path) / META_FILE, map_location="cpu", weights_only=False, mmap=True).get(INFO, {})
+        check_format(path, info, INFO_FORMAT)
         if self.has_optimizer:
-            self._check_optimizer_layout(path, metadata)
+            self._check_optimizer_layout(path, metadata, info)
         # Stage 1/2: views of the parameters, loaded in place. Stage 3: per-parameter DTensors.
         model_state = sp_state.model_template(self.params) if self.params is not None else self.module.state_dict()
-        for name, tensor in model_state.items():
-            item = metadata.state_dict_metadata.get(f"model.{name}")
-            if item is not None and tuple(item.size) != tuple(tensor.shape):
-                raise ValueError(
-                    f"checkpoint tensor {name!r} has shape {tuple(item.size)}, but the model's has shape"
-                    f" {tuple(tensor.shape)} (size mismatch): {path}"
-                )
+        saved = {k[len("model.") :]: v for k, v in metadata.state_dict_metadata.items() if k.startswith("model.")}
+        check_shapes(path, {k: v.size for k, v in saved.items() if hasattr(v, "size")}, self._model_shapes())
         tensors: dict[str, Any] = {"model": model_state}
         if self.has_optimizer and any(fqn.startswith("optimizer_0.") for fqn in metadata.state_dict_metadata):
             tensors["optimizer_0"] = (
@@ -164,11 +173,17 @@ class ZeroCheckpointer:
             self.engine.sync_after_load()  # master shards and parameters agree again
         return checkpoint, True
 
-    def _check_optimizer_layout(self, path: str | Path, metadata: Any) -> None:
+    def _model_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The full shape of every tensor of the model's state dict (stage 3: of the unsharded parameters)."""
+        if self.params is None:
+            return shapes_of(self.module.state_dict())
+        with self.params.reading_placeholders():
+            return shapes_of(self.module.state_dict(keep_vars=True))
+
+    def _check_optimizer_layout(self, path: str | Path, metadata: Any, info: dict[str, Any]) -> None:
         """Refuse a sharded optimizer state of the other layout: stages 1 and 2 keep one flat tensor per param group,
         stage 3 one tensor per parameter, and DCP would silently load none of the other's (it loads what the
         templates ask for). The stage comes from [Note: checkpoint info], or from the keys in older checkpoints."""
-        info = torch.load(Path(path) / META_FILE, map_location="cpu", weights_only=False, mmap=True).get(INFO, {})
         keys = [fqn for fqn in metadata.state_dict_metadata if fqn.startswith("optimizer_0.state.")]
         if not keys:
             return
@@ -180,7 +195,7 @@ class ZeroCheckpointer:
         mine = 3 if self.params is not None else self.engine.stage
         if flat != (mine != 3):
             layout = "one flat tensor per param group" if flat else "one tensor per parameter"
-            raise ValueError(
+            raise CheckpointError(
                 f"{path} holds a {saved} sharded optimizer state ({layout}), which stage {mine} cannot read: convert"
                 f" it first (lightning-zero-ckpt convert {path} NEW --stage {mine}), or resume from a full checkpoint"
                 " (state_dict_type='full'), which any stage reads"

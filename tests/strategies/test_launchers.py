@@ -12,9 +12,7 @@ batches, and that comparison is shown to discriminate (a reference with another 
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -32,6 +30,9 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning_zero
 from lightning_zero.comm.collectives import GLOO_SUBSTITUTE_MIN_BYTES
 from tests.helpers.equivalence import OURS, GlobalBatchSampler, make_strategy, state_of
+from tests.helpers.launch import DIST_PREFIXES, DIST_VARS
+from tests.helpers.launch import clean_env as _clean_env
+from tests.helpers.launch import stop_session as _stop_session
 from tests.helpers.parity import (
     ParityConfig,
     ParityModule,
@@ -49,42 +50,6 @@ SCRIPT = "tests/scripts/train_parity.py"
 TOLERANCE = 1e-5
 RUN_TIMEOUT = 200  # seconds for one launch (all of its processes); + the 40 s stop grace stays under TEST_TIMEOUT
 TEST_TIMEOUT = 300
-
-# Variables through which a launcher or scheduler tells Lightning that processes already exist.
-_DIST_VARS = (
-    "RANK",
-    "LOCAL_RANK",
-    "WORLD_SIZE",
-    "NODE_RANK",
-    "GROUP_RANK",
-    "ROLE_RANK",
-    "LOCAL_WORLD_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-)
-_DIST_PREFIXES = ("TORCHELASTIC_", "SLURM_", "PL_")
-
-
-def _clean_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in _DIST_VARS and not k.startswith(_DIST_PREFIXES)}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
-    return env
-
-
-def _stop_session(proc: subprocess.Popen, grace: float = 40) -> None:
-    """Stop the session this test started for ``proc`` (the launcher and the ranks it started), then reap it.
-
-    A launcher still running gets SIGTERM first: ``torchrun`` starts its workers in sessions of their own and stops
-    them only when it is told to (within 30 s). Whatever is left in the session is then killed.
-    """
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=grace)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
 
 
 def _run_concurrently(cmds: list[list[str]], env: dict[str, str], timeout: float = RUN_TIMEOUT) -> list[str]:
@@ -188,7 +153,7 @@ def one_thread() -> Iterator[None]:
 def dist_env(monkeypatch: pytest.MonkeyPatch) -> int:
     """A clean environment for an in-process Trainer with a free ``MASTER_PORT``; returns the port."""
     for name in list(os.environ):
-        if name in _DIST_VARS or name.startswith(_DIST_PREFIXES):
+        if name in DIST_VARS or name.startswith(DIST_PREFIXES):
             monkeypatch.delenv(name)
     port = free_port()
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")

@@ -292,6 +292,10 @@ def test_callbacks_and_logger_instantiate(compose_cfg, tmp_path: Path) -> None:
             ["strategy=ddp_scratch", "strategy.grad_compression=powersgd", "strategy.reduce_dtype=bf16"],
             "reduce_dtype='bf16' cannot be combined with grad_compression='powersgd'",
         ),
+        (
+            ["ckpt_path=/nonexistent/last.ckpt"],
+            "ckpt_path='/nonexistent/last.ckpt' is invalid: expected null, 'last' (resume from the newest last*.ckpt",
+        ),
     ],
 )
 def test_bad_values_fail_validation_with_a_clear_message(compose_cfg, overrides: list[str], message: str) -> None:

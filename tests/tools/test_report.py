@@ -225,9 +225,11 @@ def test_missing_matplotlib_writes_tables_and_says_what_to_install(
 ) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
     assert report.main([str(multirun)]) == 1
-    assert 'pip install "lightning-zero[report]"' in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert 'pip install "lightning-zero[report]"' in err and "--no-plots writes them alone" in err
     assert (multirun / "report.csv").is_file() and (multirun / "report.md").is_file()
     assert not (multirun / "loss_curves.png").exists()
+    assert report.main([str(multirun), "--no-plots"]) == 0  # the way the message offers
 
 
 def test_no_job_dirs_is_an_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
