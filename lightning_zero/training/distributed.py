@@ -95,8 +95,8 @@ def elastic_attempt_store(timeout: timedelta | float | None) -> dist.Store:
     [Note: torchrun restarts] With ``--rdzv-backend c10d`` (torchrun's default for ``--max-restarts``) the workers
     share the agent's rendezvous store across restarts, and ``init_process_group`` keys nothing by attempt
     (pytorch/pytorch#135712, #167288): a restarted rank can read a peer's address from the failed attempt and give up
-    with ``Gloo connectFullMesh failed ... Connection refused``, as measured here in one restart of three. Torch's
-    own store handler used to add an ``attempt_<n>`` prefix; this puts it back. ``TORCHELASTIC_RESTART_COUNT``
+    with ``Gloo connectFullMesh failed ... Connection refused``, or hang, as measured here in two restarts of four.
+    Torch's own store handler used to add an ``attempt_<n>`` prefix; this puts it back. ``TORCHELASTIC_RESTART_COUNT``
     agrees across the ranks of one agent; a multi-node job whose agents restart unevenly should still launch
     ``torchrun`` with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (then this is not used).
     """
