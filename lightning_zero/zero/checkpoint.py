@@ -91,12 +91,22 @@ def verify(path: str | Path, metadata: Metadata) -> None:
             )
 
 
-def load_sharded(path: str | Path, tensors: dict[str, Any]) -> dict[str, Any]:
-    """Load into ``tensors`` in place (each rank reads what its templates cover); return ``meta.pt``. Everything is
-    checked first (the index, every shard file's size, ``meta.pt`` read), so a bad checkpoint changes nothing."""
-    verify(path, read_metadata(path))
+def read_meta(path: str | Path) -> dict[str, Any]:
+    """``meta.pt``: everything of a sharded checkpoint but its tensors."""
     with reading(Path(path) / META_FILE):
-        meta = torch.load(Path(path) / META_FILE, weights_only=False)
+        return torch.load(Path(path) / META_FILE, map_location="cpu", weights_only=False)
+
+
+def load_tensors(path: str | Path, tensors: dict[str, Any]) -> None:
+    """Load into ``tensors`` in place (each rank reads what its templates cover), every shard file checked against
+    the index first, so a missing or truncated one changes nothing."""
+    verify(path, read_metadata(path))
     with reading(path, "sharded checkpoint"):
         dcp.load(tensors, checkpoint_id=str(path))
+
+
+def load_sharded(path: str | Path, tensors: dict[str, Any]) -> dict[str, Any]:
+    """:func:`read_meta`, then :func:`load_tensors`: a checkpoint whose ``meta.pt`` is unreadable changes nothing."""
+    meta = read_meta(path)
+    load_tensors(path, tensors)
     return meta

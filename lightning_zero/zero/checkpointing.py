@@ -33,7 +33,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
 from lightning_zero.comm import collectives as comm
@@ -45,7 +44,14 @@ from lightning_zero.training.checkpoint_checks import (
     shapes_of,
 )
 from lightning_zero.zero import stage12_state as so_state
-from lightning_zero.zero.checkpoint import META_FILE, is_sharded_checkpoint, load_sharded, read_metadata, save_sharded
+from lightning_zero.zero.checkpoint import (
+    META_FILE,
+    is_sharded_checkpoint,
+    load_tensors,
+    read_meta,
+    read_metadata,
+    save_sharded,
+)
 from lightning_zero.zero.stage3 import state as sp_state
 from lightning_zero.zero.stage3.engine import ShardedParams
 from lightning_zero.zero.stage12 import ShardedOptimizer
@@ -135,9 +141,8 @@ class ZeroCheckpointer:
             if self.has_optimizer and optimizer_state:
                 self.load_optimizer(optimizer_state)
             return checkpoint, False  # the front end loads the model, with its strictness, through load_model
-        metadata = read_metadata(path)
-        with reading(Path(path) / META_FILE):
-            info = torch.load(Path(path) / META_FILE, map_location="cpu", weights_only=False, mmap=True).get(INFO, {})
+        metadata, checkpoint = read_metadata(path), read_meta(path)
+        info = checkpoint.pop(INFO, {})
         check_format(path, info, INFO_FORMAT)
         if self.has_optimizer:
             self._check_optimizer_layout(path, metadata, info)
@@ -152,9 +157,8 @@ class ZeroCheckpointer:
                 if self.params is not None
                 else so_state.sharded_template(self.engine, metadata, "optimizer_0")
             )
-        checkpoint = load_sharded(path, tensors)
+        load_tensors(path, tensors)
         param_groups = checkpoint.pop(PARAM_GROUPS, [])
-        checkpoint.pop(INFO, None)
         if self.params is not None:
             sp_state.load_model_state_dict(self.params, model_state)
         checkpoint[MODEL] = model_state
