@@ -1,4 +1,4 @@
-"""lightning_zero: data-parallel and ZeRO strategies for PyTorch Lightning, written on torch.distributed collectives.
+"""lightning_zero: data-parallel, ZeRO and pipeline strategies for PyTorch Lightning, on torch.distributed collectives.
 
 Importing this package registers the strategy names with Lightning, so ``Trainer(strategy="ddp_scratch")`` and
 ``Fabric(strategy="ddp_scratch")`` work (the Fabric classes live in :mod:`lightning_zero.fabric`).
@@ -12,7 +12,13 @@ from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REG
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_zero import fabric
-from lightning_zero.strategies import RobustDDPStrategy, ScratchDDPStrategy, ScratchParallelStrategy, ZeroStrategy
+from lightning_zero.strategies import (
+    PipelineStrategy,
+    RobustDDPStrategy,
+    ScratchDDPStrategy,
+    ScratchParallelStrategy,
+    ZeroStrategy,
+)
 from lightning_zero.strategies.grad_norm import grad_norm
 from lightning_zero.training.preemption import Preempted, PreemptionCheckpoint
 
@@ -21,11 +27,13 @@ __version__ = "0.1.0.dev0"
 ScratchDDPStrategy.register_strategies(StrategyRegistry)
 RobustDDPStrategy.register_strategies(StrategyRegistry)
 ZeroStrategy.register_strategies(StrategyRegistry)
+PipelineStrategy.register_strategies(StrategyRegistry)
 fabric.ScratchDDPStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
 fabric.RobustDDPStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
 fabric.ZeroStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
 
 __all__ = [
+    "PipelineStrategy",
     "Preempted",
     "PreemptionCheckpoint",
     "RobustDDPStrategy",

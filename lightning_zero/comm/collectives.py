@@ -421,6 +421,29 @@ def reduce_scatter_quantized(
     return _finish(works, async_op, then=combine)
 
 
+def send(tensor: Tensor, dst: int, *, group: Any = None, tag: str = "") -> Handle:
+    """Start sending ``tensor`` to global rank ``dst`` (point to point); ``tensor`` must stay untouched until the
+    returned handle has been waited on. The ledger records ``("send", tag, bytes)``."""
+    LEDGER.record("send", tag, _nbytes(tensor))
+    return Handle([dist.isend(tensor, dst, group=group)])
+
+
+def recv(tensor: Tensor, src: int, *, group: Any = None, tag: str = "") -> Handle:
+    """Start receiving into ``tensor`` from global rank ``src``; it holds the data once the handle has been waited
+    on. The ledger records ``("recv", tag, bytes)``."""
+    LEDGER.record("recv", tag, _nbytes(tensor))
+    return Handle([dist.irecv(tensor, src, group=group)])
+
+
+def gather_object(obj: Any, dst: int = 0, *, group: Any = None, tag: str = "") -> list[Any] | None:
+    """Gather a picklable object from every rank: global rank ``dst`` returns the list in rank order, the others
+    ``None``."""
+    LEDGER.record("gather_object", tag, len(pickle.dumps(obj)))
+    out = [None] * world_size(group) if rank() == dst else None
+    dist.gather_object(obj, out, dst=dst, group=group)
+    return out
+
+
 def all_gather_stack(tensor: Tensor, *, group: Any = None, sync_grads: bool = False, tag: str = "") -> Tensor:
     """Gather ``tensor`` from every rank into a new ``(world_size, *tensor.shape)`` tensor.
 

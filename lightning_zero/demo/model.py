@@ -45,13 +45,12 @@ class Block(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.GELU(), nn.Linear(4 * n_embd, n_embd))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = (
-            z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in self.qkv(self.ln_1(x)).chunk(3, -1)
-        )
+        b, t, _ = x.shape
+        # Widths from the tensors, not n_embd: under tensor parallelism qkv yields this rank's n_head heads only.
+        q, k, v = (z.view(b, t, self.n_head, -1).transpose(1, 2) for z in self.qkv(self.ln_1(x)).chunk(3, -1))
         drop = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=drop, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, -1))
         return x + self.mlp(self.ln_2(x))
 
 

@@ -2,7 +2,8 @@
 
 from lightning_zero.strategies.base import ScratchParallelStrategy
 from lightning_zero.strategies.ddp import ScratchDDPStrategy
+from lightning_zero.strategies.pipeline import PipelineStrategy
 from lightning_zero.strategies.robust import RobustDDPStrategy
 from lightning_zero.strategies.zero import ZeroStrategy
 
-__all__ = ["RobustDDPStrategy", "ScratchDDPStrategy", "ScratchParallelStrategy", "ZeroStrategy"]
+__all__ = ["PipelineStrategy", "RobustDDPStrategy", "ScratchDDPStrategy", "ScratchParallelStrategy", "ZeroStrategy"]

@@ -147,6 +147,10 @@ ZERO_NAMES: Names = tuple(
         ),
     )
 )
+PIPELINE_NAMES: Names = (
+    ("pipeline_scratch", "From-scratch pipeline parallelism (GPipe, 1F1B), popen launcher", {}),
+    ("pipeline_scratch_spawn", "From-scratch pipeline parallelism, spawn launcher", {"start_method": "spawn"}),
+)
 ROBUST_NAMES: Names = (
     ("robust_ddp_scratch", "Byzantine-robust data parallelism, popen launcher", {}),
     ("robust_ddp_scratch_spawn", "Byzantine-robust data parallelism, spawn launcher", {"start_method": "spawn"}),

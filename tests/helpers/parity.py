@@ -205,8 +205,9 @@ def fit_lightning(config: ParityConfig, strategy, **trainer_kwargs) -> dict[str,
         return {k: v.detach().cpu().clone() for k, v in module.net.state_dict().items()}
 
 
-def reference_params(config: ParityConfig) -> dict[str, torch.Tensor]:
-    """Single-process plain PyTorch run on the same global batches (see the module docstring)."""
+def reference_params(config: ParityConfig, losses: list[float] | None = None) -> dict[str, torch.Tensor]:
+    """Single-process plain PyTorch run on the same global batches (see the module docstring); each batch's loss is
+    appended to ``losses`` when given."""
     dataset = make_dataset(config)
     net = make_net(config.model)
     optimizer, scheduler = make_optimizer(net, config.lr, config.optimizer)
@@ -222,11 +223,14 @@ def reference_params(config: ParityConfig) -> dict[str, torch.Tensor]:
         n_batches = -(-len(per_rank[0]) // config.batch_size)
         optimizer.zero_grad(set_to_none=True)
         for k in range(n_batches):
-            losses = []
+            rank_losses = []
             for indices in per_rank:
                 x, y = dataset[indices[k * config.batch_size : (k + 1) * config.batch_size]]
-                losses.append(loss_fn(net, x, y))
-            (torch.stack(losses).mean() / g).backward()
+                rank_losses.append(loss_fn(net, x, y))
+            loss = torch.stack(rank_losses).mean()
+            if losses is not None:
+                losses.append(loss.item())
+            (loss / g).backward()
             if (k + 1) % g == 0 or k + 1 == n_batches:
                 if config.gradient_clip_val is not None:
                     torch.nn.utils.clip_grad_norm_(net.parameters(), config.gradient_clip_val)

@@ -1,0 +1,145 @@
+"""Pipeline parallelism: our runtime against ``torch.distributed.pipelining``, and the measured bubble against theory.
+
+Runbook::
+
+    torchrun --nproc_per_node 2 benchmarks/pipeline.py                                   # defaults below
+    torchrun --nproc_per_node 2 benchmarks/pipeline.py --micro-batches 4 --steps 3 --width 64   # smoke
+
+The model is ``--layers`` blocks of ``Linear(width, width) + GELU`` cut evenly into one stage per rank, with an MSE
+loss on the last stage; a step is the forwards and backwards of one batch of ``--batch`` samples in
+``--micro-batches`` pieces (no optimizer step). For each schedule (GPipe, 1F1B) and micro-batch count, interleaved
+step by step after ``--warmup`` untimed steps:
+
+- ``lightning_zero``: :class:`lightning_zero.pipeline.runtime.PipelineStage` running
+  :func:`lightning_zero.pipeline.schedule.build`'s actions;
+- ``torch``: ``torch.distributed.pipelining.PipelineStage`` with ``ScheduleGPipe`` / ``Schedule1F1B`` on the same
+  layers, micro-batches and loss.
+
+A step's time is the slowest rank's (a barrier before each step). The table gives medians, the ratio ours/torch, and
+the bubble our stages measured (each stage's idle share of the step: ``1 - busy / step``, where busy counts each
+action from the moment its input had arrived) beside ``(p - 1) / (m + p - 1)``. Loopback gloo on a 2-core machine
+is noisy: compare rows of one run. Each rank uses one thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage as TorchStage
+from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+
+from lightning_zero.comm import collectives as comm
+from lightning_zero.pipeline.runtime import PipelineStage
+from lightning_zero.pipeline.schedule import bubble_fraction, build
+from lightning_zero.pipeline.stages import partition, split_batch
+
+TORCH_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+
+
+def make_layers(n: int, width: int) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*(nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(n)))
+
+
+def ours(layers: nn.Sequential, indices: range, rank: int, world: int, schedule: str, m: int) -> Callable:
+    stage = PipelineStage(layers, indices, rank, list(range(world)), torch.device("cpu"))
+    actions = build(schedule, world, m)[rank]
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> list[float]:
+        pieces = split_batch((x, y), m)
+        stage.run(actions, pieces, lambda mb: nn.functional.mse_loss(layers(mb[0]), mb[1]))
+        return [t.end - t.ready for t in stage.timeline]
+
+    return step
+
+
+def theirs(layers: nn.Sequential, indices: range, rank: int, world: int, schedule: str, m: int) -> Callable:
+    submodule = nn.Sequential(*(layers[i] for i in indices))
+    stage = TorchStage(submodule, rank, world, torch.device("cpu"))
+    pipe = TORCH_SCHEDULES[schedule](stage, n_microbatches=m, loss_fn=nn.functional.mse_loss)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> list[float]:
+        if rank == 0:
+            pipe.step(x)
+        elif rank == world - 1:
+            pipe.step(target=y)
+        else:
+            pipe.step()
+        return []
+
+    return step
+
+
+def timed(step: Callable, x: torch.Tensor, y: torch.Tensor, layers: nn.Sequential) -> tuple[float, float]:
+    """The slowest rank's time for one step, and this rank's busy time in it (ours only)."""
+    dist.barrier()
+    start = time.perf_counter()
+    busy = sum(step(x, y))
+    elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
+    layers.zero_grad(set_to_none=True)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return elapsed.item(), busy
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--micro-batches", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b"], choices=sorted(TORCH_SCHEDULES))
+    parser.add_argument("--steps", type=int, default=15)
+    parser.add_argument("--warmup", type=int, default=3)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    layers = make_layers(args.layers, args.width)
+    indices = partition(args.layers, world)[rank]
+    for i in set(range(args.layers)) - set(indices):
+        layers[i] = nn.Identity()  # another stage's: never called
+    generator = torch.Generator().manual_seed(1)
+    x, y = (
+        torch.randn(args.batch, args.width, generator=generator),
+        torch.randn(args.batch, args.width, generator=generator),
+    )
+    if rank == 0:
+        print(f"{world} stages, {args.layers} x Linear({args.width}) + GELU, batch {args.batch}, {args.steps} steps")
+        print(f"{'schedule':>8} {'m':>3} {'ours ms':>9} {'torch ms':>9} {'ratio':>6} {'bubble':>7} {'theory':>7}")
+    for schedule in args.schedules:
+        for m in args.micro_batches:
+            runners = {
+                "ours": ours(layers, indices, rank, world, schedule, m),
+                "torch": theirs(layers, indices, rank, world, schedule, m),
+            }
+            times: dict[str, list[float]] = {name: [] for name in runners}
+            bubbles: list[float] = []
+            for step in range(args.warmup + args.steps):
+                for name, runner in runners.items():
+                    elapsed, busy = timed(runner, x, y, layers)
+                    if step >= args.warmup:
+                        times[name].append(elapsed)
+                        if name == "ours":
+                            bubbles.append(1.0 - busy / elapsed)
+            bubble = torch.tensor(statistics.median(bubbles))
+            dist.all_reduce(bubble)  # the stages' mean
+            if rank == 0:
+                a, b = (statistics.median(times[n]) * 1e3 for n in ("ours", "torch"))
+                print(
+                    f"{schedule:>8} {m:>3} {a:9.1f} {b:9.1f} {a / b:6.2f} {bubble.item() / world:7.3f}"
+                    f" {bubble_fraction(world, m):7.3f}"
+                )
+    comm.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()

@@ -1,0 +1,460 @@
+"""``pipeline_scratch``: pipeline parallelism (GPipe and 1F1B) on our own point-to-point sends.
+
+Runbook::
+
+    import lightning_zero  # registers the names below
+
+    class Net(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 2))
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            loss = F.cross_entropy(self.layers(x), y)
+            self.log("train_loss", loss)
+            return loss
+
+    strategy = lightning_zero.PipelineStrategy(micro_batches=4, schedule="1f1b", balance=[3, 2])
+    trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy)  # or strategy="pipeline_scratch"
+
+Registered names: ``pipeline_scratch`` (popen launcher) and ``pipeline_scratch_spawn``. Rank ``s`` is stage ``s``.
+
+**What the module declares.** One ``nn.Sequential`` attribute (``layers``, dotted for a nested one: ``"net.body"``)
+holds every trainable parameter; its children are cut into one slice per rank (``balance``: how many children each
+stage gets; default an even split). The steps call it once per batch, on the batch's input, and turn its output into
+the loss as usual. Each rank holds only its stage's layers ([Note: stage placeholders] in
+``lightning_zero/pipeline/placement.py``); with ``model_init="meta"`` the layers built in ``configure_model`` are
+never allocated whole on any rank ([Note: meta initialisation] in ``lightning_zero/zero/stage3/materialize.py``).
+
+**What a training step does.** Lightning calls the strategy's ``training_step`` once per batch. The batch is cut into
+``micro_batches`` pieces (``lightning_zero/pipeline/stages.py``) and this rank runs its part of the schedule
+(``lightning_zero/pipeline/schedule.py``) with :class:`~lightning_zero.pipeline.runtime.PipelineStage`, calling the
+module's ``training_step`` once per micro-batch ([Note: running the user's step] there). The strategy runs every
+backward inside that step, each micro-batch's loss weighted by its share of the batch and divided by
+``accumulate_grad_batches`` as Lightning divides a loss; the ``backward`` Lightning then asks for only runs its hooks.
+So automatic optimization, gradient accumulation, LR schedulers and clipping work as under ``ddp``; norm clipping
+uses the global norm over every stage.
+
+**Logging.** ``self.log`` calls inside the steps are recorded per micro-batch on the last stage (where the loss is),
+combined as the size-weighted mean over the micro-batches (the batch's value for a per-sample mean such as a mean
+loss or accuracy; ``batch_size`` summed), sent to every rank, and logged there once per batch. A ``Metric`` object
+cannot be combined that way and is refused. The step's returned loss is the batch's loss on every rank.
+
+**Validation, test, predict** run the forwards of the micro-batches through the stages the same way; ``predict_step``
+outputs are concatenated (tensors) or listed per micro-batch, on every rank.
+
+[Note: data parallel x pipeline] With ``stages`` smaller than the world size, the ranks form ``world / stages``
+replicas of the pipeline (``lightning_zero/training/mesh.py``: replica ``r`` is ranks ``r * stages ...``). Each
+replica reads its own batches (the sampler's replicas are the pipelines, as ``ddp``'s are its ranks) and runs the
+schedule on its own; at the end of each accumulation window stage ``s`` of every replica averages its gradients with
+one all-reduce over the ranks holding stage ``s``, so every replica steps the same weights, as ``ddp`` would with one
+rank per replica. The logged values are each replica's (``sync_dist`` averages them over the replicas). Buffers are
+not broadcast between replicas yet: layers with buffers are refused when there are several replicas.
+
+**Checkpoints** are Lightning's plain files, in the unsplit model's layout: rank 0 gathers every stage's weights and
+optimizer state, and a resume loads each stage's part (at any number of stages). After a fit every rank gets the
+whole weights back (as under ``ddp``).
+
+Not supported (refused with an error): ``16-mixed`` (its loss scaler would have to scale the pipeline's backward),
+manual optimization, the data-parallel settings (``sync_batchnorm``, ``find_unused_parameters``, ...), parameters
+outside the pipelined ``nn.Sequential`` or tied across stages. Dropout draws its masks per stage, so they differ from
+a one-process run's.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Generator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import Tensor, nn
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_zero.comm import collectives as comm
+from lightning_zero.pipeline import placement
+from lightning_zero.pipeline.outputs import LogRecorder, combine_logs, concatenate, to_device, weighted_loss
+from lightning_zero.pipeline.runtime import PipelineStage
+from lightning_zero.pipeline.schedule import SCHEDULES, Action, build, check_pipeline
+from lightning_zero.pipeline.stages import check_parameters, partition, split_batch
+from lightning_zero.strategies.base import ScratchParallelStrategy
+from lightning_zero.training.distributed import PIPELINE_NAMES
+from lightning_zero.training.mesh import Mesh, MeshGroups, new_groups
+from lightning_zero.zero.stage3.materialize import build_meta_modules, has_meta_tensors, rng_state
+
+MODEL_INITS = ("full", "meta")
+_DATA_PARALLEL_SETTINGS = (
+    "find_unused_parameters",
+    "broadcast_buffers",
+    "param_dtype",
+    "reduce_dtype",
+    "master_weights",
+    "cast_module",
+    "activation_checkpointing_policy",
+)
+
+
+class PipelineStrategy(ScratchParallelStrategy):
+    """Pipeline parallelism over ``devices`` stages (see the module docstring).
+
+    Args:
+        micro_batches: pieces each batch is cut into (>= 1); the bubble is ``(stages - 1) / (micro_batches + stages
+            - 1)`` of a step.
+        schedule: ``"1f1b"`` (default; each stage keeps at most ``stages - stage`` micro-batches' activations) or
+            ``"gpipe"`` (all forwards, then all backwards).
+        layers: the attribute path of the module's pipelined ``nn.Sequential``.
+        balance: children of ``layers`` per stage (one integer per rank, summing to ``len(layers)``); default an even
+            split.
+        model_init: ``"full"`` (default: every rank builds the whole model as a one-process run would, keeps its
+            stage and frees the rest; exactly a normal build) or ``"meta"`` (``configure_model`` runs on the meta
+            device and each rank builds only its stage, replaying each module's ``reset_parameters()``).
+        stages: ranks per pipeline (a divisor of the world size; default all of them). The world size divided by
+            ``stages`` is the number of data-parallel replicas ([Note: data parallel x pipeline]).
+        **kwargs: ``process_group_backend``, ``timeout``, ``start_method`` (see
+            :class:`~lightning_zero.strategies.base.ScratchParallelStrategy`).
+    """
+
+    strategy_name = "pipeline_scratch"
+    registered_names = PIPELINE_NAMES
+
+    def __init__(
+        self,
+        micro_batches: int = 4,
+        schedule: str = "1f1b",
+        layers: str = "layers",
+        balance: Sequence[int] | None = None,
+        model_init: str = "full",
+        stages: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        refused = sorted(set(kwargs) & set(_DATA_PARALLEL_SETTINGS))
+        if refused:
+            raise ValueError(f"pipeline_scratch does not take {refused}: they are data-parallel settings")
+        check_pipeline(1, micro_batches)
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule={schedule!r} is invalid: expected one of {SCHEDULES}")
+        if not isinstance(layers, str) or not layers:
+            raise ValueError(f"layers={layers!r} is invalid: expected the attribute path of an nn.Sequential")
+        if model_init not in MODEL_INITS:
+            raise ValueError(f"model_init={model_init!r} is invalid: expected one of {MODEL_INITS}")
+        if stages is not None:
+            check_pipeline(stages, 1)
+        super().__init__(broadcast_buffers=False, **kwargs)
+        self.micro_batches, self.schedule, self.layers_name = micro_batches, schedule, layers
+        self.balance = list(balance) if balance is not None else None
+        self.model_init, self.stages = model_init, stages
+        self.stage: PipelineStage | None = None
+        self.groups: MeshGroups | None = None
+        self._slices: list[range] = []
+        self._init_rng_state: dict[str, Tensor] | None = None
+        self._step_grads: list[tuple[Tensor, Tensor | None]] = []
+
+    @property
+    def mesh(self) -> Mesh:
+        """Replicas x stages ([Note: data parallel x pipeline])."""
+        return Mesh(self.world_size, self.stages or self.world_size, name="stages")
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """The stages of one replica read the same batches; the replicas read disjoint ones, as ``ddp``'s ranks."""
+        replica, _ = self.mesh.coordinates(self.global_rank)
+        return {"num_replicas": self.mesh.data_size, "rank": replica}
+
+    @override
+    def _check_before_launch(self) -> None:
+        super()._check_before_launch()
+        if self._lightning_precision() in ("16-mixed", "16"):
+            raise ValueError(
+                "pipeline_scratch does not run precision='16-mixed': its loss scaler would have to scale the backward"
+                " the pipeline runs itself; use 'bf16-mixed', 'bf16-true' or '32-true'"
+            )
+        if self._layer_sync is not None:
+            raise ValueError("pipeline_scratch does not take sync_batchnorm=True: a pipeline has one data replica")
+        world = self.num_processes * self.num_nodes
+        if world:
+            Mesh(world, self.stages or world, name="stages")  # stages must divide the world size
+        stages = self.stages or world
+        if self.balance is not None and len(self.balance) != stages:
+            raise ValueError(
+                f"balance={self.balance} has {len(self.balance)} entries: expected one per stage, and this run has"
+                f" {stages} stages ({world} processes)"
+            )
+
+    # ------------------------------------------------------------ building the stage
+    @contextmanager
+    @override
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """``model_init="meta"``: ``configure_model`` runs on the meta device; each rank builds its stage in setup."""
+        if self.model_init != "meta":
+            yield
+            return
+        with torch.device("meta"):
+            yield
+        self._init_rng_state = rng_state(self.root_device)
+
+    def _layers(self) -> nn.Sequential:
+        try:
+            layers = operator.attrgetter(self.layers_name)(self.lightning_module)
+        except AttributeError:
+            layers = None
+        if not isinstance(layers, nn.Sequential):
+            raise TypeError(
+                f"pipeline_scratch: {type(self.lightning_module).__name__}.{self.layers_name} is"
+                f" {type(layers).__name__}: expected the nn.Sequential whose children the stages split (the"
+                " strategy's `layers` setting names it)"
+            )
+        return layers
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None and self.model is not None
+        module = self.lightning_module
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting and not module.automatic_optimization:
+            raise ValueError("pipeline_scratch runs the backward itself: manual optimization is not supported")
+        self.accelerator.setup(trainer)
+        layers = self._layers()
+        if self.groups is None:
+            self.groups = new_groups(self.mesh, self.global_rank)
+        index = self.groups.index
+        self._slices = partition(len(layers), self.mesh.model_size, self.balance)
+        check_parameters(module, self.layers_name, layers, self._slices)
+        self.precision_plugin.convert_module(self.model)
+        mine = self._slices[index]
+        others = [layers[i] for s, indices in enumerate(self._slices) if s != index for i in indices]
+        if has_meta_tensors(module):
+            own = {id(p) for i in mine for p in layers[i].parameters()}
+            for tensor in (*module.parameters(), *module.buffers()):  # built outside configure_model: rank 0's
+                if not tensor.is_meta:
+                    comm.broadcast(tensor.data.to(self.root_device), 0, tag="init")
+            build_meta_modules(
+                module,
+                lambda p: None if id(p) in own else placement.to_meta(_holder(p)),
+                self.root_device,
+                self._init_rng_state,
+            )
+        else:
+            for tensor in (*module.parameters(), *module.buffers()):
+                comm.broadcast(tensor.data, 0, tag="init")  # rank 0's weights, as ddp starts from
+        for layer in others:
+            placement.to_meta(layer)
+        placement.move_real(self.model, self.root_device)
+        self._check_buffers(layers, mine)
+        self.stage = PipelineStage(layers, mine, index, self.groups.model_ranks, self.root_device)
+        if fitting:
+            self.setup_optimizers(trainer)
+            _optimizers_to_device(self.optimizers, self.root_device)
+            self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm  # type: ignore[method-assign]
+        self.setup_precision_plugin()
+
+    @override
+    def teardown(self) -> None:
+        """After a fit every rank gets the whole weights back (as under ``ddp``), then Lightning's teardown."""
+        module = self.lightning_module
+        if module is not None and self._slices and has_meta_tensors(module) and comm.is_initialized():
+            assert self.groups is not None
+            groups = self.groups
+            placement.gather_layers(
+                self._layers(), self._slices, groups.model_ranks, self.root_device, group=groups.model_group
+            )
+        self.precision_plugin.__dict__.pop("clip_grad_by_norm", None)
+        super().teardown()
+
+    # ------------------------------------------------------------ steps
+    def _actions(self, training: bool, micro_batches: int) -> list[Action]:
+        if not training:
+            return [Action("F", m) for m in range(micro_batches)]
+        assert self.groups is not None
+        return build(self.schedule, self.mesh.model_size, micro_batches)[self.groups.index]
+
+    def _run(
+        self, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any], training: bool
+    ) -> tuple[list[Any], list[tuple[float, dict[str, Any]]], list[float]]:
+        """Run ``hook`` (a LightningModule step) through the pipeline on the micro-batches of ``args[0]``: the last
+        stage's outputs and its ``self.log`` calls in micro-batch order, and the micro-batches' weights."""
+        assert self.stage is not None, "setup() builds the stage"
+        module = self.lightning_module
+        pieces = split_batch(args[0], self.micro_batches)
+        user_step = getattr(module, hook)
+        recorder = LogRecorder()
+
+        def step(piece: Any) -> Any:
+            recorder.weight = next(w for p, w in pieces if p is piece)
+            return user_step(piece, *args[1:], **kwargs)
+
+        scale = 1.0 / module.trainer.accumulate_grad_batches if training else 1.0
+        module.log = recorder.record  # type: ignore[method-assign]  # an instance attribute: log_dict calls it too
+        params = [p for p in module.parameters() if p.requires_grad and not p.is_meta] if training else []
+        earlier = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        try:
+            with self.precision_plugin.train_step_context() if training else _eval_context(self, hook):
+                outputs = self.stage.run(self._actions(training, len(pieces)), pieces, step, loss_scale=scale)
+        finally:
+            del module.log
+            # [Note: gradients held for backward] Lightning zeroes the gradients *between* the training step and
+            # the backward (at the start of an accumulation window): this step's gradients wait aside until
+            # ``backward`` adds them, as the backward Lightning expects would.
+            self._step_grads = [(p, p.grad) for p in params]
+            for p, grad in zip(params, earlier):
+                p.grad = grad
+        return outputs, recorder.calls, [w for _, w in pieces]
+
+    def _finish(self, run: tuple[list[Any], list[tuple[float, dict[str, Any]]], list[float]], training: bool) -> Any:
+        """On every rank: log the last stage's combined values and return its combined output."""
+        outputs, recorded, weights = run
+        assert self.groups is not None
+        last, group = self.groups.model_ranks[-1], self.groups.model_group
+        payload = None
+        if self.global_rank == last:
+            payload = (weighted_loss(outputs, weights) if training else concatenate(outputs), combine_logs(recorded))
+        result, logs = comm.broadcast_object(payload, last, group=group, tag="pipeline/outputs")
+        module = self.lightning_module
+        for call in logs:
+            value = call.pop("value")
+            module.log(value=to_device(value, self.root_device), **call)
+        return to_device(result, self.root_device)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._finish(self._run("training_step", args, kwargs, training=True), training=True)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._finish(self._run("validation_step", args, kwargs, training=False), training=False)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._finish(self._run("test_step", args, kwargs, training=False), training=False)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._finish(self._run("predict_step", args, kwargs, training=False), training=False)
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        """The pipeline ran the backward inside the training step: its gradients are added here, between the hooks
+        ([Note: gradients held for backward])."""
+        assert self.lightning_module is not None
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+        with torch.no_grad():  # [Note: gradients held for backward]
+            for p, grad in self._step_grads:
+                if grad is not None:
+                    p.grad = grad if p.grad is None else p.grad.add_(grad)
+        self._step_grads = []
+        if not self._backward_sync_blocked:
+            self._average_gradients()
+        closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+        self.post_backward(closure_loss)
+        return closure_loss
+
+    def _average_gradients(self) -> None:
+        """[Note: data parallel x pipeline] At the end of an accumulation window each stage averages its gradients
+        with the same stage of the other replicas (one all-reduce of the flattened gradients)."""
+        assert self.groups is not None
+        if self.mesh.data_size == 1:
+            return
+        module = self.lightning_module
+        grads = [p.grad for p in module.parameters() if not p.is_meta and p.grad is not None]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        comm.all_reduce(flat, "avg", group=self.groups.data_group, tag="grads")
+        for grad, averaged in zip(grads, flat.split([g.numel() for g in grads])):
+            grad.copy_(averaged.view_as(grad))
+
+    def _check_buffers(self, layers: nn.Sequential, mine: range) -> None:
+        buffers = [f"{self.layers_name}.{i}.{n}" for i in mine for n, _ in layers[i].named_buffers()]
+        if self.mesh.data_size > 1 and buffers:
+            raise ValueError(
+                f"pipeline_scratch with {self.mesh.data_size} data-parallel replicas does not synchronise buffers"
+                f" across them ({buffers}: ddp broadcasts rank 0's before each forward): not supported yet; use"
+                " stages equal to the world size, or layers without buffers"
+            )
+
+    def _clip_grad_by_global_norm(self, optimizer: Optimizer, clip_val: float) -> None:
+        """``clip_grad_norm_`` over the gradients of every stage: this stage's squared norms plus one all-reduce."""
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        norms = [torch.linalg.vector_norm(g, 2.0) for g in grads]
+        squares = torch.stack(norms).pow(2).sum() if norms else torch.zeros((), device=self.root_device)
+        assert self.groups is not None
+        comm.all_reduce(squares, "sum", group=self.groups.model_group, tag="pipeline/grad_norm")
+        coef = torch.clamp(clip_val / (squares.sqrt() + 1e-6), max=1.0)
+        if grads:
+            torch._foreach_mul_(grads, coef.to(grads[0].device))
+
+    # ------------------------------------------------------------ checkpoints ([Note: stage placeholders])
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """Every stage's weights, gathered on rank 0 (the other ranks return their own)."""
+        module = self.lightning_module
+        keys = placement.real_keys(module)
+        own = {k: v.detach().cpu() for k, v in module.state_dict().items() if k in keys}
+        gathered = self._gather_on_rank_zero(own)
+        if gathered is None:
+            return own
+        return {k: v for state in gathered for k, v in state.items()}
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """The optimizer's state for every stage's parameters, gathered on rank 0."""
+        own = placement.select_optimizer_state(optimizer.state_dict(), placement.owned_positions(optimizer))
+        gathered = self._gather_on_rank_zero(own)
+        return placement.merge_optimizer_states(gathered) if gathered is not None else own
+
+    def _gather_on_rank_zero(self, obj: Any) -> list[Any] | None:
+        """Every stage's ``obj`` of the first replica on rank 0 (the replicas hold the same); ``None`` elsewhere."""
+        assert self.groups is not None
+        if self.groups.replica != 0:
+            return None
+        return comm.gather_object(obj, 0, group=self.groups.model_group, tag="pipeline/checkpoint")
+
+    @override
+    def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
+        """This stage's weights (and everything outside the pipelined layers) from a whole-model checkpoint."""
+        module = self.lightning_module
+        keys = placement.real_keys(module)
+        state = checkpoint["state_dict"]
+        result = module.load_state_dict({k: v for k, v in state.items() if k in keys}, strict=False)
+        unexpected = [k for k in state if k not in module.state_dict()]
+        missing = [k for k in result.missing_keys if k in keys]
+        if strict and (missing or unexpected):
+            raise RuntimeError(f"pipeline_scratch: checkpoint keys missing {missing}, unexpected {unexpected}")
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
+        """Each optimizer's state for this stage's parameters."""
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            optimizer.load_state_dict(placement.select_optimizer_state(state, placement.owned_positions(optimizer)))
+
+    @override
+    def model_state_params(self) -> list[Tensor]:
+        """This stage's parameters (the placeholders hold no memory)."""
+        return [p for p in super().model_state_params() if not p.is_meta]
+
+
+def _holder(p: nn.Parameter) -> nn.Module:
+    """A throwaway module holding ``p``, so :func:`placement.to_meta` can swap it."""
+    holder = nn.Module()
+    holder.register_parameter("p", p)
+    return holder
+
+
+@contextmanager
+def _eval_context(strategy: PipelineStrategy, hook: str) -> Generator[None, None, None]:
+    context = {
+        "validation_step": strategy.precision_plugin.val_step_context,
+        "test_step": strategy.precision_plugin.test_step_context,
+        "predict_step": strategy.precision_plugin.predict_step_context,
+    }[hook]
+    with context():
+        yield

@@ -1,0 +1,333 @@
+"""``pipeline_scratch`` against the single-process PyTorch reference on the same batches.
+
+The parity MLP (``tests/helpers/parity.py``: an ``nn.Sequential`` of six layers under ``net``) is cut into 2 or 4
+stages. Every stage reads the whole batch (one data replica), so the reference is the one-process run
+(``world_size=1``: a shuffling ``DistributedSampler`` with one replica). The last batch of an epoch has 7 samples,
+which cut into uneven micro-batches.
+"""
+
+from __future__ import annotations
+
+import sys
+from unittest.mock import Mock
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
+from lightning.pytorch.plugins.precision import MixedPrecision
+from torch import nn
+from torch.utils.data import DataLoader
+
+import lightning_zero
+from lightning_zero.comm import collectives as comm
+from lightning_zero.pipeline.schedule import build, simulate
+from tests.helpers.launch import clean_env, run_script
+from tests.helpers.parity import (
+    ParityConfig,
+    ParityModule,
+    fit_lightning,
+    make_dataset,
+    make_net,
+    make_trainer,
+    max_abs_diff,
+    quiet_trainer,
+    reference_params,
+    train_loader,
+)
+from tests.helpers.workers import run_workers
+
+CONFIG = ParityConfig(world_size=1, batch_size=8, gradient_clip_val=0.05)
+
+
+def pipeline(**kwargs) -> lightning_zero.PipelineStrategy:
+    return lightning_zero.PipelineStrategy(layers="net", **kwargs)
+
+
+class LoggingModule(ParityModule):
+    """The parity module, logging its loss per step and its validation loss (``sync_dist``)."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self.net(x), y), sync_dist=True)
+
+    def predict_step(self, batch, batch_idx):
+        return self.net(batch[0])
+
+
+class StepLosses(L.Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.losses.append(trainer.callback_metrics["train_loss"].item())
+
+
+# ---------------------------------------------------------------- training parity
+def _fit(config: ParityConfig, devices: int, kwargs: dict) -> dict[str, torch.Tensor]:
+    return fit_lightning(config, pipeline(**kwargs), devices=devices)
+
+
+@pytest.mark.parametrize(
+    ("devices", "kwargs", "accumulate", "clip"),
+    [
+        (2, {"schedule": "1f1b", "micro_batches": 4}, 1, 0.05),
+        (2, {"schedule": "gpipe", "micro_batches": 3}, 3, None),
+        (4, {"schedule": "1f1b", "micro_batches": 6, "balance": [2, 2, 1, 1]}, 2, 0.05),
+    ],
+    ids=["1f1b-2stages-clip", "gpipe-2stages-accumulate", "1f1b-4stages"],
+)
+def test_training_matches_single_process(devices, kwargs, accumulate, clip):
+    config = ParityConfig(world_size=1, batch_size=8, accumulate_grad_batches=accumulate, gradient_clip_val=clip)
+    weights = run_workers(_fit, devices, config, devices, kwargs, timeout=180)
+    reference = reference_params(config)
+    for rank_weights in weights:  # every rank holds the whole model after the fit
+        assert max_abs_diff(rank_weights, reference) < 1e-5
+
+
+def _fit_replicas(config: ParityConfig) -> tuple[dict[str, torch.Tensor], dict]:
+    strategy = pipeline(stages=2, micro_batches=2)
+    weights = fit_lightning(config, strategy, devices=4)
+    return weights, {"grads": comm.LEDGER.calls("all_reduce", "grads"), "sampler": strategy.distributed_sampler_kwargs}
+
+
+def test_two_replicas_of_a_two_stage_pipeline_match_ddp_on_two_ranks():
+    # 4 processes: replicas {0, 1} and {2, 3}; the reference is data parallelism over 2 ranks on the same batches
+    config = ParityConfig(world_size=2, batch_size=4, accumulate_grad_batches=3, gradient_clip_val=0.05)
+    results = run_workers(_fit_replicas, 4, config, timeout=180)
+    reference = reference_params(config)
+    for rank, (weights, stats) in enumerate(results):
+        assert max_abs_diff(weights, reference) < 1e-5
+        assert stats["sampler"] == {"num_replicas": 2, "rank": rank // 2}
+        assert stats["grads"] == config.optimizer_steps  # one gradient all-reduce per window, none in between
+
+
+def _fit_meta(config: ParityConfig) -> tuple[dict[str, torch.Tensor], list[bool]]:
+    L.seed_everything(config.seed, verbose=False)
+    module = ParityModule(config.lr, config.optimizer, build_in_configure_model=True)
+    trainer = make_trainer(config, pipeline(model_init="meta"), devices=2, max_epochs=1)
+    real_at_start = []
+    trainer.callbacks.append(
+        L.pytorch.callbacks.LambdaCallback(
+            on_train_start=lambda t, m: real_at_start.extend(not p.is_meta for p in m.net.parameters())
+        )
+    )
+    trainer.fit(module, train_loader(config))
+    return {k: v.detach().clone() for k, v in module.net.state_dict().items()}, real_at_start
+
+
+def test_meta_init_builds_only_the_stage_and_matches():
+    config = ParityConfig(world_size=1, batch_size=8, max_epochs=1)
+    (weights0, real0), (weights1, real1) = run_workers(_fit_meta, 2, config, timeout=120)
+    # six children split 3 + 3: Linear, LayerNorm (stage 0) | Linear, Linear (stage 1), two tensors each
+    assert real0 == [True] * 4 + [False] * 4 and real1 == [False] * 4 + [True] * 4
+    reference = reference_params(config)
+    assert max_abs_diff(weights0, reference) < 1e-5 and max_abs_diff(weights1, reference) < 1e-5
+
+
+# ---------------------------------------------------------------- logging, validation, predict
+def _fit_logged(config: ParityConfig) -> tuple[list[float], float, torch.Tensor]:
+    L.seed_everything(config.seed, verbose=False)
+    module, losses = LoggingModule(config.lr), StepLosses()
+    trainer = make_trainer(config, pipeline(micro_batches=3), devices=2, callbacks=[losses])
+    trainer.fit(module, train_loader(config))
+    val_loss = trainer.validate(module, train_loader(config), verbose=False)[0]["val_loss"]
+    predictions = torch.cat(trainer.predict(module, train_loader(config)))
+    return losses.losses, val_loss, predictions
+
+
+def test_logged_loss_validation_and_predictions_match_single_process():
+    config = CONFIG
+    results = run_workers(_fit_logged, 2, config, timeout=120)
+    expected_losses: list[float] = []
+    reference = make_net()
+    reference.load_state_dict(reference_params(config, losses=expected_losses))
+    x, y = make_dataset(config).tensors
+    with torch.no_grad():
+        expected_val = torch.stack(
+            [nn.functional.mse_loss(reference(xb), yb) * len(xb) for xb, yb in zip(x.split(8), y.split(8))]
+        ).sum() / len(x)
+        expected_predictions = reference(x)
+    for losses, val_loss, predictions in results:  # every rank logs and returns the last stage's values
+        assert losses == pytest.approx(expected_losses, abs=1e-6)
+        assert val_loss == pytest.approx(expected_val.item(), abs=1e-6)
+        assert torch.allclose(predictions, expected_predictions, atol=1e-5)
+
+
+# ---------------------------------------------------------------- activations and communication
+def _one_step(schedule: str, micro_batches: int) -> dict:
+    config = ParityConfig(world_size=1, batch_size=8, batches_per_rank=1, max_epochs=1, gradient_clip_val=None)
+    L.seed_everything(config.seed, verbose=False)
+    strategy = pipeline(schedule=schedule, micro_batches=micro_batches)
+    trainer = make_trainer(config, strategy, devices=2, limit_train_batches=1)
+    comm.LEDGER.reset()
+    trainer.fit(ParityModule(config.lr), train_loader(config))
+    stage = strategy.stage
+    return {
+        "peak_micro_batches": stage.peak_micro_batches,
+        "peak_bytes": stage.meter.peak,
+        "live_bytes": stage.meter.live,
+        "sent": {tag: comm.LEDGER.bytes("send", tag) for tag in ("pipeline/activation", "pipeline/gradient")},
+        "received": {tag: comm.LEDGER.bytes("recv", tag) for tag in ("pipeline/activation", "pipeline/gradient")},
+        "timeline": [(t.kind, t.micro_batch) for t in stage.timeline],
+    }
+
+
+def test_1f1b_holds_fewer_activations_than_gpipe_and_sends_what_the_schedule_says():
+    runs = {name: run_workers(_one_step, 2, name, 4, timeout=120) for name in ("gpipe", "1f1b")}
+    for name, stats in runs.items():
+        expected = simulate(build(name, 2, 4))
+        assert [s["peak_micro_batches"] for s in stats] == expected.peak_activations
+        assert [s["timeline"] for s in stats] == [[tuple(a) for a in actions] for actions in build(name, 2, 4)]
+        assert all(s["live_bytes"] == 0 for s in stats)  # every saved activation freed by its backward
+        # stage 0 -> 1: the batch's 7 samples (in four micro-batches) x 16 fp32 values; as much comes back as gradients
+        act, grad, nbytes = "pipeline/activation", "pipeline/gradient", 7 * 16 * 4
+        assert stats[0]["sent"][act] == nbytes == stats[1]["received"][act]
+        assert stats[1]["sent"][grad] == nbytes == stats[0]["received"][grad]
+    assert runs["gpipe"][0]["peak_micro_batches"] == 4 and runs["1f1b"][0]["peak_micro_batches"] == 2
+    assert runs["1f1b"][0]["peak_bytes"] < runs["gpipe"][0]["peak_bytes"]
+
+
+# ---------------------------------------------------------------- checkpoints
+def _save_and_resume(config: ParityConfig, directory: str) -> dict:
+    def run(max_epochs: int, ckpt_path: str | None) -> dict[str, torch.Tensor]:
+        L.seed_everything(config.seed, verbose=False)
+        module = ParityModule(config.lr)
+        trainer = make_trainer(config, pipeline(micro_batches=2), devices=2, max_epochs=max_epochs)
+        trainer.fit(module, train_loader(config), ckpt_path=ckpt_path)
+        if max_epochs == 1:
+            trainer.save_checkpoint(f"{directory}/epoch1.ckpt")
+        return {k: v.detach().clone() for k, v in module.net.state_dict().items()}
+
+    run(1, None)
+    resumed = run(2, f"{directory}/epoch1.ckpt")
+    straight = run(2, None)
+    return {"resumed": resumed, "straight": straight}
+
+
+def test_checkpoint_is_the_whole_model_and_resumes_exactly(tmp_path):
+    results = run_workers(_save_and_resume, 2, CONFIG, str(tmp_path), timeout=180)
+    for result in results:
+        assert max_abs_diff(result["resumed"], result["straight"]) == 0.0
+    checkpoint = torch.load(tmp_path / "epoch1.ckpt", weights_only=False)
+    assert set(checkpoint["state_dict"]) == {f"net.{k}" for k in make_net().state_dict()}
+    plain = make_net()
+    plain.load_state_dict({k.removeprefix("net."): v for k, v in checkpoint["state_dict"].items()})
+    optimizer_state = checkpoint["optimizer_states"][0]["state"]
+    assert sorted(optimizer_state) == list(range(len(list(plain.parameters()))))  # every stage's parameters
+
+
+# ---------------------------------------------------------------- refusals (no processes)
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"micro_batches": 0}, "micro_batches=0 is invalid"),
+        ({"schedule": "interleaved"}, "schedule='interleaved' is invalid"),
+        ({"model_init": "auto"}, "model_init='auto' is invalid"),
+        ({"param_dtype": "bf16"}, "does not take ['param_dtype']"),
+        ({"find_unused_parameters": True}, "does not take ['find_unused_parameters']"),
+    ],
+)
+def test_invalid_settings_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        lightning_zero.PipelineStrategy(**kwargs)
+
+
+def test_16_mixed_wrong_balance_and_stages_refused_when_the_trainer_is_built():
+    strategy = pipeline()  # on CPU the Trainer turns 16-mixed into bf16-mixed: the CUDA plugin, set by hand
+    strategy.precision_plugin = MixedPrecision("16-mixed", "cuda", scaler=Mock())
+    with pytest.raises(ValueError, match="does not run precision='16-mixed'"):
+        strategy._check_before_launch()
+    with pytest.raises(ValueError, match=r"balance=\[6\] has 1 entries: expected one per stage.* 2 stages"):
+        quiet_trainer(pipeline(balance=[6]))
+    with pytest.raises(ValueError, match="stages=3 is invalid: expected a divisor of the world size 2"):
+        quiet_trainer(pipeline(stages=3))
+
+
+def test_registered_names():
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    assert StrategyRegistry["pipeline_scratch"]["strategy"] is lightning_zero.PipelineStrategy
+    assert StrategyRegistry["pipeline_scratch_spawn"]["init_params"] == {"start_method": "spawn"}
+
+
+class _OutsideParameter(ParityModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(()))
+
+
+def _refused_module(kind: str) -> str:
+    module = _OutsideParameter() if kind == "outside" else ParityModule()
+    strategy = pipeline() if kind == "outside" else lightning_zero.PipelineStrategy(layers="missing")
+    trainer = make_trainer(CONFIG, strategy, devices=2, max_epochs=1)
+    try:
+        trainer.fit(module, train_loader(CONFIG))
+    except (ValueError, TypeError) as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.parametrize(
+    ("kind", "message"),
+    [
+        ("outside", "the trainable parameters ['scale'] are outside 'net'"),
+        ("missing", "ParityModule.missing is NoneType: expected the nn.Sequential"),
+    ],
+)
+def test_modules_the_pipeline_cannot_split_are_refused(kind, message):
+    for error in run_workers(_refused_module, 2, kind, timeout=120):
+        assert message in error
+
+
+# ---------------------------------------------------------------- Lightning's own demo model, against its ddp
+class SequentialBoringModel(BoringModel):
+    """Lightning's ``BoringModel`` (dict outputs, SGD + StepLR, validation and test steps) with a two-Linear
+    ``nn.Sequential`` as its ``layer``, and batches of 8."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 2))
+
+    def train_dataloader(self):
+        return DataLoader(RandomDataset(32, 64), batch_size=8)
+
+    val_dataloader = test_dataloader = train_dataloader
+
+
+def _fit_boring(strategy_name: str, devices: int) -> tuple[dict[str, torch.Tensor], list[float]]:
+    L.seed_everything(0, verbose=False)
+    module = SequentialBoringModel()
+    strategy = lightning_zero.PipelineStrategy(layers="layer") if strategy_name == "pipeline" else strategy_name
+    trainer = quiet_trainer(strategy, devices=devices, max_epochs=2, num_sanity_val_steps=2, limit_val_batches=2)
+    trainer.fit(module)
+    tested = trainer.test(module, verbose=False)
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}, tested
+
+
+def test_lightning_boring_model_trains_as_under_lightning_ddp():
+    ((ddp_weights, _),) = run_workers(_fit_boring, 1, "ddp", 1, timeout=120)
+    for weights, tested in run_workers(_fit_boring, 2, "pipeline", 2, timeout=120):
+        assert max_abs_diff(weights, ddp_weights) < 1e-5
+        assert tested == [{}]  # BoringModel's test step logs nothing; it ran through the pipeline on every rank
+
+
+# ---------------------------------------------------------------- launchers
+@pytest.mark.parametrize("name", ["pipeline_scratch", "pipeline_scratch_spawn"])
+def test_launched_as_a_script(tmp_path, name):
+    """Lightning's popen launcher (the script re-run for rank 1) and the spawn launcher (rank 0's weights back in the
+    launching process, whole after the fit)."""
+    out = tmp_path / "params.pt"
+    cmd = [sys.executable, "tests/scripts/train_parity.py", "--strategy", name, "--devices", "2", "--world-size", "1"]
+    code, output = run_script([*cmd, "--out", str(out)], clean_env(), timeout=150)
+    assert code == 0, output
+    reference = reference_params(ParityConfig(world_size=1))
+    assert max_abs_diff(torch.load(out), reference) < 1e-5
+    if name == "pipeline_scratch":
+        assert max_abs_diff(torch.load(f"{out}.rank1"), reference) < 1e-5
