@@ -15,8 +15,9 @@ step by step after ``--warmup`` untimed steps:
 - ``torch``: ``torch.distributed.pipelining.PipelineStage`` with ``ScheduleGPipe`` / ``Schedule1F1B`` on the same
   layers, micro-batches and loss.
 
-A step's time is the slowest rank's (a barrier before each step). The table gives medians, the ratio ours/torch, and
-the bubble our stages measured (each stage's idle share of the step: ``1 - busy / step``, where busy counts each
+A step's time is the slowest rank's (a barrier before each step). The table gives medians, the ratio ours/torch, the
+peak bytes autograd saved for backward on stage 0 (``ActivationMeter``, the same count around either side's step),
+and the bubble our stages measured (each stage's idle share of the step: ``1 - busy / step``, where busy counts each
 action from the moment its input had arrived) beside ``(p - 1) / (m + p - 1)``. Loopback gloo on a 2-core machine
 is noisy: compare rows of one run. Each rank uses one thread.
 """
@@ -36,7 +37,7 @@ from torch.distributed.pipelining import PipelineStage as TorchStage
 from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
 from lightning_zero.comm import collectives as comm
-from lightning_zero.pipeline.runtime import PipelineStage
+from lightning_zero.pipeline.runtime import ActivationMeter, PipelineStage
 from lightning_zero.pipeline.schedule import bubble_fraction, build
 from lightning_zero.pipeline.stages import partition, split_batch
 
@@ -48,44 +49,51 @@ def make_layers(n: int, width: int) -> nn.Sequential:
     return nn.Sequential(*(nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(n)))
 
 
-def ours(layers: nn.Sequential, indices: range, rank: int, world: int, schedule: str, m: int) -> Callable:
+Step = Callable[[torch.Tensor, torch.Tensor], tuple[list[float], int]]
+"""One pipeline step: this rank's busy intervals (ours only) and the peak bytes autograd saved on this stage."""
+
+
+def ours(layers: nn.Sequential, indices: range, rank: int, world: int, schedule: str, m: int) -> Step:
     stage = PipelineStage(layers, indices, rank, list(range(world)), torch.device("cpu"))
     actions = build(schedule, world, m)[rank]
 
-    def step(x: torch.Tensor, y: torch.Tensor) -> list[float]:
+    def step(x: torch.Tensor, y: torch.Tensor) -> tuple[list[float], int]:
         pieces = split_batch((x, y), m)
         stage.run(actions, pieces, lambda mb: nn.functional.mse_loss(layers(mb[0]), mb[1]))
-        return [t.end - t.ready for t in stage.timeline]
+        return [t.end - t.ready for t in stage.timeline], stage.meter.peak
 
     return step
 
 
-def theirs(layers: nn.Sequential, indices: range, rank: int, world: int, schedule: str, m: int) -> Callable:
+def theirs(layers: nn.Sequential, indices: range, rank: int, world: int, schedule: str, m: int) -> Step:
     submodule = nn.Sequential(*(layers[i] for i in indices))
     stage = TorchStage(submodule, rank, world, torch.device("cpu"))
     pipe = TORCH_SCHEDULES[schedule](stage, n_microbatches=m, loss_fn=nn.functional.mse_loss)
+    meter = ActivationMeter()  # the same count as our stage's, around torch's whole step
 
-    def step(x: torch.Tensor, y: torch.Tensor) -> list[float]:
-        if rank == 0:
-            pipe.step(x)
-        elif rank == world - 1:
-            pipe.step(target=y)
-        else:
-            pipe.step()
-        return []
+    def step(x: torch.Tensor, y: torch.Tensor) -> tuple[list[float], int]:
+        meter.reset(list(submodule.parameters()))
+        with meter.counting():
+            if rank == 0:
+                pipe.step(x)
+            elif rank == world - 1:
+                pipe.step(target=y)
+            else:
+                pipe.step()
+        return [], meter.peak
 
     return step
 
 
-def timed(step: Callable, x: torch.Tensor, y: torch.Tensor, layers: nn.Sequential) -> tuple[float, float]:
-    """The slowest rank's time for one step, and this rank's busy time in it (ours only)."""
+def timed(step: Step, x: torch.Tensor, y: torch.Tensor, layers: nn.Sequential) -> tuple[float, float, int]:
+    """The slowest rank's time for one step, this rank's busy time in it (ours only), and its activation peak."""
     dist.barrier()
     start = time.perf_counter()
-    busy = sum(step(x, y))
+    busy, peak = step(x, y)
     elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
     layers.zero_grad(set_to_none=True)
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return elapsed.item(), busy
+    return elapsed.item(), sum(busy), peak
 
 
 def main() -> None:
@@ -112,7 +120,10 @@ def main() -> None:
     )
     if rank == 0:
         print(f"{world} stages, {args.layers} x Linear({args.width}) + GELU, batch {args.batch}, {args.steps} steps")
-        print(f"{'schedule':>8} {'m':>3} {'ours ms':>9} {'torch ms':>9} {'ratio':>6} {'bubble':>7} {'theory':>7}")
+        print(
+            f"{'schedule':>8} {'m':>3} {'ours ms':>9} {'torch ms':>9} {'ratio':>6} {'bubble':>7} {'theory':>7}"
+            f" {'act MiB ours':>12} {'act MiB torch':>13}"
+        )
     for schedule in args.schedules:
         for m in args.micro_batches:
             runners = {
@@ -120,21 +131,23 @@ def main() -> None:
                 "torch": theirs(layers, indices, rank, world, schedule, m),
             }
             times: dict[str, list[float]] = {name: [] for name in runners}
+            peaks = dict.fromkeys(runners, 0)
             bubbles: list[float] = []
             for step in range(args.warmup + args.steps):
                 for name, runner in runners.items():
-                    elapsed, busy = timed(runner, x, y, layers)
+                    elapsed, busy, peak = timed(runner, x, y, layers)
+                    peaks[name] = max(peaks[name], peak)
                     if step >= args.warmup:
                         times[name].append(elapsed)
                         if name == "ours":
                             bubbles.append(1.0 - busy / elapsed)
             bubble = torch.tensor(statistics.median(bubbles))
             dist.all_reduce(bubble)  # the stages' mean
-            if rank == 0:
+            if rank == 0:  # stage 0 holds the most activations under 1F1B
                 a, b = (statistics.median(times[n]) * 1e3 for n in ("ours", "torch"))
                 print(
                     f"{schedule:>8} {m:>3} {a:9.1f} {b:9.1f} {a / b:6.2f} {bubble.item() / world:7.3f}"
-                    f" {bubble_fraction(world, m):7.3f}"
+                    f" {bubble_fraction(world, m):7.3f} {peaks['ours'] / 2**20:12.1f} {peaks['torch'] / 2**20:13.1f}"
                 )
     comm.barrier()
     dist.destroy_process_group()

@@ -17,6 +17,7 @@ from lightning_zero.strategies import (
     RobustDDPStrategy,
     ScratchDDPStrategy,
     ScratchParallelStrategy,
+    TensorParallelStrategy,
     ZeroStrategy,
 )
 from lightning_zero.strategies.grad_norm import grad_norm
@@ -28,6 +29,7 @@ ScratchDDPStrategy.register_strategies(StrategyRegistry)
 RobustDDPStrategy.register_strategies(StrategyRegistry)
 ZeroStrategy.register_strategies(StrategyRegistry)
 PipelineStrategy.register_strategies(StrategyRegistry)
+TensorParallelStrategy.register_strategies(StrategyRegistry)
 fabric.ScratchDDPStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
 fabric.RobustDDPStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
 fabric.ZeroStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
@@ -40,6 +42,7 @@ __all__ = [
     "RunStats",
     "ScratchDDPStrategy",
     "ScratchParallelStrategy",
+    "TensorParallelStrategy",
     "ZeroStrategy",
     "__version__",
     "grad_norm",

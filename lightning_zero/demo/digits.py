@@ -213,6 +213,11 @@ class DigitsMLPModule(L.LightningModule):
             self.net = nn.Sequential(*layers, nn.Linear(width, h.num_classes))
         shard_fsdp2(self.net, [], self.device_mesh)  # one unit; device_mesh: only under ModelParallelStrategy
 
+    @property
+    def pipeline_layers(self) -> nn.Sequential | None:
+        """What ``pipeline_scratch`` cuts into stages: the whole network."""
+        return self.net
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         assert self.net is not None, "configure_model() builds the network"
         return self.net(x)

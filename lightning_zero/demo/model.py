@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
+from types import MappingProxyType
 from typing import Any
 
 import lightning as L
@@ -16,6 +17,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 from torchmetrics.text import Perplexity
+
+from lightning_zero.tensor_parallel import GPT_PLAN, gather_from_parallel_region, vocab_parallel_cross_entropy
 
 try:
     from torch.distributed.fsdp import FSDPModule, fully_shard
@@ -54,8 +57,34 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
+class Embeddings(nn.Module):
+    """The token and position embeddings, summed: the network's first layer as a pipeline sees it."""
+
+    def __init__(self, wte: nn.Module, wpe: nn.Module) -> None:
+        super().__init__()
+        self.wte, self.wpe = wte, wpe
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+
+
+class LMHead(nn.Module):
+    """The final LayerNorm and the head: the network's last layer as a pipeline sees it."""
+
+    def __init__(self, ln_f: nn.Module, head: nn.Module) -> None:
+        super().__init__()
+        self.ln_f, self.head = ln_f, head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.ln_f(x))
+
+
 class CharGPT(nn.Module):
-    """Token and position embeddings, ``n_layer`` blocks in an ``nn.ModuleList`` (ZeRO-3's default units), a head."""
+    """Token and position embeddings, ``n_layer`` blocks in an ``nn.ModuleList`` (ZeRO-3's default units), a head.
+
+    The forward runs :attr:`layers`, the same modules as one ``nn.Sequential`` (what ``pipeline_scratch`` cuts into
+    stages); the state dict keeps the names above.
+    """
 
     def __init__(
         self, vocab_size: int, block_size: int, n_layer: int, n_head: int, n_embd: int, dropout: float
@@ -66,11 +95,21 @@ class CharGPT(nn.Module):
         self.blocks = nn.ModuleList([Block(n_embd, n_head, dropout) for _ in range(n_layer)])
         self.ln_f, self.head = nn.LayerNorm(n_embd), nn.Linear(n_embd, vocab_size, bias=False)
 
+    @property
+    def layers(self) -> nn.Sequential:
+        """``Embeddings``, the blocks, ``LMHead``: this network's own modules as an ``nn.Sequential``.
+
+        A view kept outside the module tree (no second name in the state dict), rebuilt when one of its modules was
+        replaced since (tensor parallelism swaps the embedding and the head for their parallel versions)."""
+        parts = [self.wte, self.wpe, *self.blocks, self.ln_f, self.head]
+        built = self.__dict__.get("_layers_parts")
+        if built is None or len(built) != len(parts) or any(a is not b for a, b in zip(built, parts)):
+            view = nn.Sequential(Embeddings(self.wte, self.wpe), *self.blocks, LMHead(self.ln_f, self.head))
+            self.__dict__["_layers"], self.__dict__["_layers_parts"] = view, parts  # not registered: a view
+        return self.__dict__["_layers"]
+
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.ln_f(x))
+        return self.layers(idx)
 
 
 class CharGPTModule(L.LightningModule):
@@ -83,6 +122,13 @@ class CharGPTModule(L.LightningModule):
         optimizer: a partial optimizer (``params -> Optimizer``), e.g. Hydra's ``_partial_: true``; default AdamW.
         warmup_steps: linear learning-rate warm-up, then cosine decay to ``min_lr_ratio`` over the planned steps.
         min_lr_ratio: final learning rate as a fraction of the initial one.
+        vocab_multiple: build the embedding and head for ``vocab_size`` rounded up to a multiple of this (Megatron's
+            ``make-vocab-size-divisible-by``: tensor parallelism splits the vocabulary evenly); the extra ids never
+            occur, and the softmax learns to give them nothing.
+
+    Under ``tensor_parallel_scratch`` with a vocabulary-sharded head (``GPT_PLAN``) the losses come from the logits'
+    slices (``vocab_parallel_cross_entropy`` over ``tensor_parallel_group``) and ``val/ppl`` from the gathered
+    logits: the logged numbers are the unparallelized model's.
 
     ``ppl_history`` holds ``(global_step, val_ppl)`` for every validation pass, the sanity check included (step 0,
     the untrained model), so a run can report its first and last perplexity. ``val_history`` is the same list under
@@ -102,8 +148,11 @@ class CharGPTModule(L.LightningModule):
         optimizer: Callable[..., torch.optim.Optimizer] | None = None,
         warmup_steps: int = 20,
         min_lr_ratio: float = 0.1,
+        vocab_multiple: int = 1,
     ) -> None:
         super().__init__()
+        if isinstance(vocab_multiple, bool) or not isinstance(vocab_multiple, int) or vocab_multiple < 1:
+            raise ValueError(f"vocab_multiple={vocab_multiple!r} is invalid: expected an integer >= 1")
         if n_embd % n_head:
             raise ValueError(f"n_embd={n_embd} is invalid: expected a multiple of n_head={n_head}")
         if warmup_steps < 0 or not 0 <= min_lr_ratio <= 1:
@@ -115,6 +164,12 @@ class CharGPTModule(L.LightningModule):
         self.ppl_history: list[tuple[int, float]] = []
 
     @property
+    def padded_vocab_size(self) -> int:
+        """``vocab_size`` rounded up to a multiple of ``vocab_multiple``: the network's embedding and head size."""
+        multiple = self.hparams.vocab_multiple
+        return -(-self.hparams.vocab_size // multiple) * multiple
+
+    @property
     def val_history(self) -> list[tuple[int, float]]:
         """``(global_step, val/ppl)`` per validation pass: the history of this module's optimized metric."""
         return self.ppl_history
@@ -123,27 +178,51 @@ class CharGPTModule(L.LightningModule):
         """Build the network (first call only); under ``ModelParallelStrategy`` shard it with FSDP2."""
         if self.net is None:
             h = self.hparams
-            self.net = CharGPT(h.vocab_size, h.block_size, h.n_layer, h.n_head, h.n_embd, h.dropout)
+            self.net = CharGPT(self.padded_vocab_size, h.block_size, h.n_layer, h.n_head, h.n_embd, h.dropout)
         shard_fsdp2(self.net, self.net.blocks, self.device_mesh)  # device_mesh: only under ModelParallelStrategy
+
+    @property
+    def pipeline_layers(self) -> nn.Sequential | None:
+        """What ``pipeline_scratch`` cuts into stages: the network's :attr:`CharGPT.layers`."""
+        return self.net.layers if self.net is not None else None
+
+    tensor_parallel_plan = MappingProxyType({f"net.{key}": style for key, style in GPT_PLAN.items()})
+    """What ``tensor_parallel_scratch`` applies: Megatron's plan for the network (``GPT_PLAN``)."""
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         assert self.net is not None, "configure_model() builds the network"
         return self.net(idx)
 
+    def _vocab_group(self, logits: torch.Tensor) -> Any:
+        """The tensor-parallel group when ``logits`` are this rank's slice of the vocabulary (a vocabulary-sharded
+        head under ``tensor_parallel_scratch``, which sets ``tensor_parallel_group``), else ``None``."""
+        group = getattr(self, "tensor_parallel_group", None)
+        return group if group is not None and logits.shape[-1] != self.padded_vocab_size else None
+
+    def _loss(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        group = self._vocab_group(logits)
+        if group is not None:  # the loss from the slices, without gathering the logits
+            return vocab_parallel_cross_entropy(logits.flatten(0, 1), y.flatten(), group)
+        return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
-        loss = F.cross_entropy(self(x).flatten(0, 1), y.flatten())
+        loss = self._loss(self(x), y)
         self.log("train/loss", loss, prog_bar=True)
         return loss
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         x, y = batch
         logits = self(x)
-        self.log("val/loss", F.cross_entropy(logits.flatten(0, 1), y.flatten()), sync_dist=True)
-        self.val_ppl.update(logits.float(), y)
+        self.log("val/loss", self._loss(logits, y), sync_dist=True)
+        group = self._vocab_group(logits)
+        # Perplexity needs every id's logit: the slices gathered (validation only, no gradient).
+        self.val_ppl.update((logits if group is None else gather_from_parallel_region(logits, group)).float(), y)
 
     def on_validation_epoch_end(self) -> None:
-        ppl = self.val_ppl.compute()  # collective: every rank calls it
+        # Collective: every rank calls it. Under tensor parallelism each replica's ranks count the same tokens, which
+        # scales the summed log-probabilities and the token count alike: the ratio, and the perplexity, are unchanged.
+        ppl = self.val_ppl.compute()
         self.val_ppl.reset()
         self.log("val/ppl", ppl, prog_bar=True, sync_dist=True)  # equal on every rank already
         self.ppl_history.append((self.global_step, float(ppl)))

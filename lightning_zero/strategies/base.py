@@ -273,9 +273,13 @@ class ScratchParallelStrategy(DistributedPlumbing, ParallelStrategy):
             yield
             return
         if self.broadcast_buffers and self._forward_param_sync and comm.is_initialized():
-            broadcast_module_states(module, tag="buffers", buffers_only=True)
+            self._broadcast_buffers(module)
         yield
         self._forward_param_sync = torch.is_grad_enabled() and not self._backward_sync_blocked
+
+    def _broadcast_buffers(self, module: torch.nn.Module) -> None:
+        """Rank 0's buffers on every rank (subclasses whose ranks hold different parts of the model override it)."""
+        broadcast_module_states(module, tag="buffers", buffers_only=True)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

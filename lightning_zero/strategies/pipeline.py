@@ -20,12 +20,14 @@ Runbook::
 
 Registered names: ``pipeline_scratch`` (popen launcher) and ``pipeline_scratch_spawn``. Rank ``s`` is stage ``s``.
 
-**What the module declares.** One ``nn.Sequential`` attribute (``layers``, dotted for a nested one: ``"net.body"``)
-holds every trainable parameter; its children are cut into one slice per rank (``balance``: how many children each
-stage gets; default an even split). The steps call it once per batch, on the batch's input, and turn its output into
-the loss as usual. Each rank holds only its stage's layers ([Note: stage placeholders] in
-``lightning_zero/pipeline/placement.py``); with ``model_init="meta"`` the layers built in ``configure_model`` are
-never allocated whole on any rank ([Note: meta initialisation] in ``lightning_zero/zero/stage3/materialize.py``).
+**What the module declares.** One ``nn.Sequential`` holds every trainable parameter: the strategy's ``layers`` names it
+(an attribute path, dotted for a nested one: ``"net.body"``), or the module says which with a ``pipeline_layers``
+attribute or property (the demos do), else it is the module's ``layers``. Its children are cut into one slice per rank
+(``balance``: how many children each stage gets; default an even split). The steps call it once per batch, on the
+batch's input, and turn its output into the loss as usual. Each rank holds only its stage's layers ([Note: stage
+placeholders] in ``lightning_zero/pipeline/placement.py``); with ``model_init="meta"`` the layers built in
+``configure_model`` are never allocated whole on any rank ([Note: meta initialisation] in
+``lightning_zero/zero/stage3/materialize.py``).
 
 **What a training step does.** Lightning calls the strategy's ``training_step`` once per batch. The batch is cut into
 ``micro_batches`` pieces (``lightning_zero/pipeline/stages.py``) and this rank runs its part of the schedule
@@ -49,14 +51,16 @@ replicas of the pipeline (``lightning_zero/training/mesh.py``: replica ``r`` is 
 replica reads its own batches (the sampler's replicas are the pipelines, as ``ddp``'s are its ranks) and runs the
 schedule on its own; at the end of each accumulation window stage ``s`` of every replica averages its gradients with
 one all-reduce over the ranks holding stage ``s``, so every replica steps the same weights, as ``ddp`` would with one
-rank per replica. The logged values are each replica's (``sync_dist`` averages them over the replicas). Buffers are
-not broadcast between replicas yet: layers with buffers are refused when there are several replicas.
+rank per replica. The logged values are each replica's (``sync_dist`` averages them over the replicas). Buffers
+(BatchNorm statistics) follow ``ddp``'s rule: before a forward that follows a gradient-synchronising one, each stage
+takes the first replica's (``broadcast_buffers=False`` turns it off).
 
 **Checkpoints** are Lightning's plain files, in the unsplit model's layout: rank 0 gathers every stage's weights and
 optimizer state, and a resume loads each stage's part (at any number of stages). After a fit every rank gets the
 whole weights back (as under ``ddp``).
 
-Not supported (refused with an error): ``16-mixed`` (its loss scaler would have to scale the pipeline's backward),
+Not supported (refused with an error): BatchNorm layers with ``micro_batches > 1`` (each micro-batch would be
+normalized by its own statistics), ``16-mixed`` (its loss scaler would have to scale the pipeline's backward),
 manual optimization, the data-parallel settings (``sync_batchnorm``, ``find_unused_parameters``, ...), parameters
 outside the pipelined ``nn.Sequential`` or tied across stages. Dropout draws its masks per stage, so they differ from
 a one-process run's.
@@ -74,6 +78,7 @@ import torch
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -91,7 +96,6 @@ from lightning_zero.zero.stage3.materialize import build_meta_modules, has_meta_
 MODEL_INITS = ("full", "meta")
 _DATA_PARALLEL_SETTINGS = (
     "find_unused_parameters",
-    "broadcast_buffers",
     "param_dtype",
     "reduce_dtype",
     "master_weights",
@@ -108,7 +112,8 @@ class PipelineStrategy(ScratchParallelStrategy):
             - 1)`` of a step.
         schedule: ``"1f1b"`` (default; each stage keeps at most ``stages - stage`` micro-batches' activations) or
             ``"gpipe"`` (all forwards, then all backwards).
-        layers: the attribute path of the module's pipelined ``nn.Sequential``.
+        layers: the attribute path of the module's pipelined ``nn.Sequential``; default the module's
+            ``pipeline_layers`` (an attribute or property returning it) if it has one, else ``"layers"``.
         balance: children of ``layers`` per stage (one integer per rank, summing to ``len(layers)``); default an even
             split.
         model_init: ``"full"`` (default: every rank builds the whole model as a one-process run would, keeps its
@@ -127,7 +132,7 @@ class PipelineStrategy(ScratchParallelStrategy):
         self,
         micro_batches: int = 4,
         schedule: str = "1f1b",
-        layers: str = "layers",
+        layers: str | None = None,
         balance: Sequence[int] | None = None,
         model_init: str = "full",
         stages: int | None = None,
@@ -139,13 +144,13 @@ class PipelineStrategy(ScratchParallelStrategy):
         check_pipeline(1, micro_batches)
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule={schedule!r} is invalid: expected one of {SCHEDULES}")
-        if not isinstance(layers, str) or not layers:
-            raise ValueError(f"layers={layers!r} is invalid: expected the attribute path of an nn.Sequential")
+        if layers is not None and (not isinstance(layers, str) or not layers):
+            raise ValueError(f"layers={layers!r} is invalid: expected the attribute path of an nn.Sequential or None")
         if model_init not in MODEL_INITS:
             raise ValueError(f"model_init={model_init!r} is invalid: expected one of {MODEL_INITS}")
         if stages is not None:
             check_pipeline(stages, 1)
-        super().__init__(broadcast_buffers=False, **kwargs)
+        super().__init__(**kwargs)
         self.micro_batches, self.schedule, self.layers_name = micro_batches, schedule, layers
         self.balance = list(balance) if balance is not None else None
         self.model_init, self.stages = model_init, stages
@@ -176,7 +181,10 @@ class PipelineStrategy(ScratchParallelStrategy):
                 " the pipeline runs itself; use 'bf16-mixed', 'bf16-true' or '32-true'"
             )
         if self._layer_sync is not None:
-            raise ValueError("pipeline_scratch does not take sync_batchnorm=True: a pipeline has one data replica")
+            raise ValueError(
+                "pipeline_scratch does not take sync_batchnorm=True: the layer sync would run over every rank, the"
+                " other stages included"
+            )
         world = self.num_processes * self.num_nodes
         if world:
             Mesh(world, self.stages or world, name="stages")  # stages must divide the world size
@@ -199,16 +207,23 @@ class PipelineStrategy(ScratchParallelStrategy):
             yield
         self._init_rng_state = rng_state(self.root_device)
 
+    @property
+    def _layers_path(self) -> str:
+        """``layers``, else the module's ``pipeline_layers`` when it has one, else ``"layers"``."""
+        if self.layers_name is not None:
+            return self.layers_name
+        return "pipeline_layers" if hasattr(self.lightning_module, "pipeline_layers") else "layers"
+
     def _layers(self) -> nn.Sequential:
         try:
-            layers = operator.attrgetter(self.layers_name)(self.lightning_module)
+            layers = operator.attrgetter(self._layers_path)(self.lightning_module)
         except AttributeError:
             layers = None
         if not isinstance(layers, nn.Sequential):
             raise TypeError(
-                f"pipeline_scratch: {type(self.lightning_module).__name__}.{self.layers_name} is"
+                f"pipeline_scratch: {type(self.lightning_module).__name__}.{self._layers_path} is"
                 f" {type(layers).__name__}: expected the nn.Sequential whose children the stages split (the"
-                " strategy's `layers` setting names it)"
+                " strategy's `layers` setting names it, or the module's `pipeline_layers`)"
             )
         return layers
 
@@ -225,28 +240,26 @@ class PipelineStrategy(ScratchParallelStrategy):
             self.groups = new_groups(self.mesh, self.global_rank)
         index = self.groups.index
         self._slices = partition(len(layers), self.mesh.model_size, self.balance)
-        check_parameters(module, self.layers_name, layers, self._slices)
+        check_parameters(module, self._layers_path, layers, self._slices)
+        if fitting:
+            self._check_batch_statistics(layers)
         self.precision_plugin.convert_module(self.model)
         mine = self._slices[index]
         others = [layers[i] for s, indices in enumerate(self._slices) if s != index for i in indices]
-        if has_meta_tensors(module):
+        placement.move_real(self.model, self.root_device)
+        for tensor in (*module.parameters(), *module.buffers()):
+            if not tensor.is_meta:
+                comm.broadcast(tensor.data, 0, tag="init")  # rank 0's weights, as ddp starts from
+        if has_meta_tensors(module):  # model_init="meta": build this stage, replaying the others' random numbers
             own = {id(p) for i in mine for p in layers[i].parameters()}
-            for tensor in (*module.parameters(), *module.buffers()):  # built outside configure_model: rank 0's
-                if not tensor.is_meta:
-                    comm.broadcast(tensor.data.to(self.root_device), 0, tag="init")
             build_meta_modules(
                 module,
                 lambda p: None if id(p) in own else placement.to_meta(_holder(p)),
                 self.root_device,
                 self._init_rng_state,
             )
-        else:
-            for tensor in (*module.parameters(), *module.buffers()):
-                comm.broadcast(tensor.data, 0, tag="init")  # rank 0's weights, as ddp starts from
         for layer in others:
             placement.to_meta(layer)
-        placement.move_real(self.model, self.root_device)
-        self._check_buffers(layers, mine)
         self.stage = PipelineStage(layers, mine, index, self.groups.model_ranks, self.root_device)
         if fitting:
             self.setup_optimizers(trainer)
@@ -323,21 +336,26 @@ class PipelineStrategy(ScratchParallelStrategy):
             module.log(value=to_device(value, self.root_device), **call)
         return to_device(result, self.root_device)
 
+    def _step(self, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any], training: bool) -> Any:
+        with self._buffer_sync():
+            run = self._run(hook, args, kwargs, training)
+        return self._finish(run, training)
+
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._finish(self._run("training_step", args, kwargs, training=True), training=True)
+        return self._step("training_step", args, kwargs, training=True)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._finish(self._run("validation_step", args, kwargs, training=False), training=False)
+        return self._step("validation_step", args, kwargs, training=False)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._finish(self._run("test_step", args, kwargs, training=False), training=False)
+        return self._step("test_step", args, kwargs, training=False)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._finish(self._run("predict_step", args, kwargs, training=False), training=False)
+        return self._step("predict_step", args, kwargs, training=False)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
@@ -372,14 +390,27 @@ class PipelineStrategy(ScratchParallelStrategy):
         for grad, averaged in zip(grads, flat.split([g.numel() for g in grads])):
             grad.copy_(averaged.view_as(grad))
 
-    def _check_buffers(self, layers: nn.Sequential, mine: range) -> None:
-        buffers = [f"{self.layers_name}.{i}.{n}" for i in mine for n, _ in layers[i].named_buffers()]
-        if self.mesh.data_size > 1 and buffers:
+    def _check_batch_statistics(self, layers: nn.Sequential) -> None:
+        """A BatchNorm normalizes each micro-batch by that micro-batch's statistics: refused when a batch is cut."""
+        found = [f"{self._layers_path}.{n}" for n, m in layers.named_modules() if isinstance(m, _BatchNorm)]
+        if found and self.micro_batches > 1:
             raise ValueError(
-                f"pipeline_scratch with {self.mesh.data_size} data-parallel replicas does not synchronise buffers"
-                f" across them ({buffers}: ddp broadcasts rank 0's before each forward): not supported yet; use"
-                " stages equal to the world size, or layers without buffers"
+                f"pipeline_scratch: {found} normalize each micro-batch by its own statistics, so with"
+                f" micro_batches={self.micro_batches} the training differs from a run on whole batches: use"
+                " micro_batches=1 (data-parallel replicas of the pipeline still help) or a normalization without batch"
+                " statistics (LayerNorm, GroupNorm)"
             )
+
+    @override
+    def _broadcast_buffers(self, module: nn.Module) -> None:
+        """[Note: data parallel x pipeline] Each stage's buffers from the first replica's rank of that stage, as
+        ``ddp`` broadcasts rank 0's ([Note: buffer broadcast] in ``lightning_zero/strategies/base.py``)."""
+        assert self.groups is not None
+        if self.mesh.data_size == 1:
+            return
+        for tensor in module.buffers():
+            if not tensor.is_meta:
+                comm.broadcast(tensor, self.groups.data_ranks[0], group=self.groups.data_group, tag="buffers")
 
     def _clip_grad_by_global_norm(self, optimizer: Optimizer, clip_val: float) -> None:
         """``clip_grad_norm_`` over the gradients of every stage: this stage's squared norms plus one all-reduce."""
@@ -393,6 +424,22 @@ class PipelineStrategy(ScratchParallelStrategy):
             torch._foreach_mul_(grads, coef.to(grads[0].device))
 
     # ------------------------------------------------------------ checkpoints ([Note: stage placeholders])
+    @property
+    def layout(self) -> dict[str, Any]:
+        """The run's layout, written into its checkpoints (``"parallel_layout"``; any layout loads them)."""
+        return {
+            "strategy": self.strategy_name,
+            "stages": self.mesh.model_size,
+            "replicas": self.mesh.data_size,
+            "balance": [len(indices) for indices in self._slices],
+            "schedule": self.schedule,
+            "micro_batches": self.micro_batches,
+        }
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        super().save_checkpoint({**checkpoint, "parallel_layout": self.layout}, filepath, storage_options)
+
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """Every stage's weights, gathered on rank 0 (the other ranks return their own)."""

@@ -6,7 +6,8 @@
   vocabulary-parallel embedding, each built from this rank's slice of a full module;
 - :mod:`~lightning_zero.tensor_parallel.cross_entropy`: the loss from vocabulary-sharded logits, never gathered;
 - :mod:`~lightning_zero.tensor_parallel.plan`: :func:`parallelize` a model by module names with a plan of styles,
-  :data:`GPT_PLAN` for the demo GPT, and :func:`full_state_dict` to gather the weights back;
+  :data:`GPT_PLAN` for the demo GPT, :func:`full_state_dict` to gather the weights back (:func:`shard_state_dict`
+  slices them again) and :func:`unparallelize` to rebuild the full model;
 - :mod:`~lightning_zero.tensor_parallel.sharding`: the slicing arithmetic and its inverse all-gather.
 
 Every function and layer takes ``group`` (``None``: the world), the tensor-parallel group of a 2-D mesh.
@@ -36,6 +37,9 @@ from lightning_zero.tensor_parallel.plan import (
     VocabParallel,
     full_state_dict,
     parallelize,
+    shard_state_dict,
+    sharded_entries,
+    unparallelize,
 )
 from lightning_zero.tensor_parallel.sharding import shard, unshard
 
@@ -57,6 +61,9 @@ __all__ = [
     "reduce_from_parallel_region",
     "scatter_to_parallel_region",
     "shard",
+    "shard_state_dict",
+    "sharded_entries",
+    "unparallelize",
     "unshard",
     "vocab_parallel_cross_entropy",
 ]

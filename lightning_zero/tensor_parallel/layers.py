@@ -16,7 +16,8 @@
 
 Every layer is built from the full module (``from_module``) by copying this rank's slice, so a parallelized model
 starts from exactly the weights of the single-process one; :func:`~lightning_zero.tensor_parallel.sharding.unshard`
-(or :func:`~lightning_zero.tensor_parallel.plan.full_state_dict`) gathers them back. A size that does not split into
+(or :func:`~lightning_zero.tensor_parallel.plan.full_state_dict`) gathers them back, and ``unsharded()`` rebuilds the
+full module. A size that does not split into
 ``N`` (times ``chunks``) equal slices is refused with the numbers.
 """
 
@@ -35,7 +36,7 @@ from lightning_zero.tensor_parallel.ops import (
     reduce_from_parallel_region,
     scatter_to_parallel_region,
 )
-from lightning_zero.tensor_parallel.sharding import divide, shard
+from lightning_zero.tensor_parallel.sharding import divide, shard, unshard
 
 
 class TensorParallelModule(nn.Module):
@@ -56,6 +57,24 @@ class TensorParallelModule(nn.Module):
         super().__init__()
         self.group, self.chunks = group, chunks
         self.tp_size, self.tp_rank = comm.world_size(group), comm.rank(group)
+
+    def _empty_full(self) -> nn.Module:
+        """A full module of this layer's configuration (built on the meta device by :meth:`unsharded`)."""
+        raise NotImplementedError
+
+    def unsharded(self) -> nn.Module:
+        """The full module this layer holds a slice of, on its device and dtype, with every rank's slices gathered
+        back: the inverse of ``from_module``. A collective (an all-gather per sharded parameter): every rank of
+        ``group`` calls it."""
+        with torch.device("meta"):
+            full = self._empty_full()
+        full = full.to_empty(device=self.weight.device)  # no initialisation: every parameter is copied below
+        with torch.no_grad():
+            for name, param in self.named_parameters(recurse=False):
+                dim, target = self.shard_dims.get(name), getattr(full, name)
+                target.copy_(param if dim is None else unshard(param, dim, self.group, self.chunks))
+                target.requires_grad_(param.requires_grad)
+        return full
 
     def _load_slices(self, full: nn.Module) -> None:
         """Copy this rank's slice of ``full``'s parameters (the ones of the same names) into this module's."""
@@ -124,6 +143,9 @@ class ColumnParallelLinear(TensorParallelModule):
         layer._load_slices(full)
         return layer
 
+    def _empty_full(self) -> nn.Module:
+        return nn.Linear(self.in_features, self.out_features, self.bias is not None, dtype=self.weight.dtype)
+
     def forward(self, x: Tensor) -> Tensor:
         y = F.linear(copy_to_parallel_region(x, self.group), self.weight, self.bias)
         if not self.gather_output:
@@ -188,6 +210,9 @@ class RowParallelLinear(TensorParallelModule):
         layer._load_slices(full)
         return layer
 
+    def _empty_full(self) -> nn.Module:
+        return nn.Linear(self.in_features, self.out_features, self.bias is not None, dtype=self.weight.dtype)
+
     def forward(self, x: Tensor) -> Tensor:
         if not self.input_is_parallel:
             x = scatter_to_parallel_region(x, self.group)
@@ -248,6 +273,9 @@ class VocabParallelEmbedding(TensorParallelModule):
         layer = cls(full.num_embeddings, full.embedding_dim, group=group, **_factory(full.weight))
         layer._load_slices(full)
         return layer
+
+    def _empty_full(self) -> nn.Module:
+        return nn.Embedding(self.num_embeddings, self.embedding_dim, dtype=self.weight.dtype)
 
     def forward(self, ids: Tensor) -> Tensor:
         local = ids - self.vocab_start

@@ -1,4 +1,5 @@
-"""Parallelize a model by module names: :func:`parallelize`, the styles, :data:`GPT_PLAN`, :func:`full_state_dict`.
+"""Parallelize a model by module names: :func:`parallelize`, the styles, :data:`GPT_PLAN`, :func:`full_state_dict`,
+:func:`shard_state_dict`, :func:`unparallelize`.
 
 Runbook (every rank of the tensor-parallel group runs the same lines)::
 
@@ -10,6 +11,9 @@ Runbook (every rank of the tensor-parallel group runs the same lines)::
     loss.backward()
     optimizer.step()                               # an elementwise optimizer (SGD, Adam, AdamW) as is
     state = full_state_dict(model)                 # the keys and full shapes of the model before parallelize
+    local = shard_state_dict(model, state)         # a full state dict (a checkpoint) cut into this rank's slices
+    model.load_state_dict(local)
+    unparallelize(model, GPT_PLAN, group=tp_group) # the full layers back, slices gathered, n_head multiplied back
 
 [Note: parallelize plan] As torch's ``parallelize_module(module, mesh, plan)`` takes one, a plan maps module
 names to styles. A key is a dotted name whose atoms may hold ``fnmatch`` wildcards, matched atom by atom against
@@ -49,7 +53,7 @@ from lightning_zero.tensor_parallel.layers import (
     TensorParallelModule,
     VocabParallelEmbedding,
 )
-from lightning_zero.tensor_parallel.sharding import divide, unshard
+from lightning_zero.tensor_parallel.sharding import divide, shard, unshard
 
 
 class Style(ABC):
@@ -69,6 +73,11 @@ class Style(ABC):
     def apply(self, module: nn.Module, group: Any) -> nn.Module:
         """Parallelize a checked ``module`` over ``group``; return the module to put in its place (``module`` itself
         when changed in place)."""
+
+    def revert(self, module: nn.Module, group: Any) -> nn.Module:
+        """Undo :meth:`apply` on the module it returned; return the module to put in its place. By default a
+        tensor-parallel layer's full module, its slices gathered (a collective over ``group``)."""
+        return module.unsharded() if isinstance(module, TensorParallelModule) else module
 
 
 @dataclass(frozen=True)
@@ -148,6 +157,10 @@ class HeadParallel(Style):
         setattr(module, self.attribute, getattr(module, self.attribute) // comm.world_size(group))
         return module
 
+    def revert(self, module: nn.Module, group: Any) -> nn.Module:
+        setattr(module, self.attribute, getattr(module, self.attribute) * comm.world_size(group))
+        return module
+
 
 GPT_PLAN: Mapping[str, Style] = MappingProxyType(
     {
@@ -187,6 +200,47 @@ def parallelize(module: nn.Module, plan: Mapping[str, Style], group: Any = None)
             changed.
     """
     modules = {name: sub for name, sub in module.named_modules() if name}
+    targets = _targets(module, modules, plan)
+    size = comm.world_size(group)
+    for name, (key, style) in targets.items():
+        where = f"plan key {key!r}, module {name!r} ({type(modules[name]).__name__})"
+        if not isinstance(modules[name], style.module_type):
+            raise TypeError(f"{where}: {type(style).__name__} applies to {style.module_type.__name__} modules only")
+        try:
+            style.check(modules[name], size)
+        except ValueError as err:
+            raise ValueError(f"{where}: {err}") from None
+
+    for name, (_, style) in targets.items():
+        _replace(module, name, modules[name], style.apply(modules[name], group))
+    return module
+
+
+def unparallelize(module: nn.Module, plan: Mapping[str, Style], group: Any = None) -> nn.Module:
+    """Undo :func:`parallelize` (with the same ``plan`` and ``group``), in place: every parallel layer becomes the full
+    module again with every rank's slices gathered back, and :class:`HeadParallel` multiplies its head count back. A
+    collective over ``group``; the full layers' parameters are new ``nn.Parameter`` objects (an optimizer built over
+    the parallel ones still holds those).
+
+    Returns:
+        ``module``.
+    """
+    modules = {name: sub for name, sub in module.named_modules() if name}
+    for name, (_, style) in _targets(module, modules, plan).items():
+        _replace(module, name, modules[name], style.revert(modules[name], group))
+    return module
+
+
+def _replace(module: nn.Module, name: str, old: nn.Module, new: nn.Module) -> None:
+    if new is not old:
+        parent, _, attribute = name.rpartition(".")
+        setattr(module.get_submodule(parent), attribute, new)
+
+
+def _targets(
+    module: nn.Module, modules: Mapping[str, nn.Module], plan: Mapping[str, Style]
+) -> dict[str, tuple[str, Style]]:
+    """The submodule name each plan key matches, with its key and style ([Note: parallelize plan])."""
     targets: dict[str, tuple[str, Style]] = {}
     for key, style in plan.items():
         if not isinstance(style, Style):
@@ -199,23 +253,19 @@ def parallelize(module: nn.Module, plan: Mapping[str, Style], group: Any = None)
             if name in targets:
                 raise ValueError(f"module {name!r} is matched by plan keys {targets[name][0]!r} and {key!r}")
             targets[name] = (key, style)
+    return targets
 
-    size = comm.world_size(group)
-    for name, (key, style) in targets.items():
-        where = f"plan key {key!r}, module {name!r} ({type(modules[name]).__name__})"
-        if not isinstance(modules[name], style.module_type):
-            raise TypeError(f"{where}: {type(style).__name__} applies to {style.module_type.__name__} modules only")
-        try:
-            style.check(modules[name], size)
-        except ValueError as err:
-            raise ValueError(f"{where}: {err}") from None
 
-    for name, (_, style) in targets.items():
-        replacement = style.apply(modules[name], group)
-        if replacement is not modules[name]:
-            parent, _, attribute = name.rpartition(".")
-            setattr(module.get_submodule(parent), attribute, replacement)
-    return module
+def sharded_entries(module: nn.Module) -> dict[str, tuple[TensorParallelModule, int]]:
+    """The state-dict keys of ``module``'s tensor-parallel slices, each with its layer and the dimension it is split
+    along (in module order, the same on every rank); every other entry of the state dict is replicated."""
+    entries = {}
+    for prefix, sub in module.named_modules():
+        if isinstance(sub, TensorParallelModule):
+            for name, dim in sub.shard_dims.items():
+                if getattr(sub, name) is not None:  # a layer without bias has no "bias"
+                    entries[f"{prefix}.{name}" if prefix else name] = (sub, dim)
+    return entries
 
 
 def full_state_dict(module: nn.Module) -> dict[str, Tensor]:
@@ -225,10 +275,17 @@ def full_state_dict(module: nn.Module) -> dict[str, Tensor]:
     A collective: every rank of each parallel layer's group calls it (the layers in the same order everywhere).
     """
     state = module.state_dict()
-    for prefix, sub in module.named_modules():
-        if isinstance(sub, TensorParallelModule):
-            for name, dim in sub.shard_dims.items():
-                key = f"{prefix}.{name}" if prefix else name
-                if key in state:  # a layer without bias has no "bias"
-                    state[key] = unshard(state[key], dim, sub.group, sub.chunks)
+    for key, (layer, dim) in sharded_entries(module).items():
+        state[key] = unshard(state[key], dim, layer.group, layer.chunks)
+    return state
+
+
+def shard_state_dict(module: nn.Module, full: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """The inverse of :func:`full_state_dict`: ``full`` (the state dict of the model before :func:`parallelize`, the
+    same on every rank) with this rank's slice of each entry ``module`` holds sharded, for ``module.load_state_dict``.
+    No communication; other entries are passed through as they are (``load_state_dict`` judges them)."""
+    state = dict(full)
+    for key, (layer, dim) in sharded_entries(module).items():
+        if key in state:
+            state[key] = shard(state[key], dim, layer.group, layer.chunks)
     return state

@@ -1,13 +1,13 @@
 """Typed Hydra configs for our strategies, and the checks ``lightning-zero-train`` runs before any process starts.
 
 The YAML files of the ``strategy`` group (``lightning_zero/conf/strategy/*_scratch.yaml``) extend the schemas stored
-here in Hydra's ConfigStore (``defaults: [/zero_scratch_schema@_here_, _self_]``; also ``/ddp_scratch_schema`` and
-``/robust_ddp_scratch_schema``), so a misspelt key or a value of the wrong type fails while the config is composed.
-The schemas sit at the root of the ConfigStore, in no config group: they are no ``strategy=`` option and
-``--help`` does not list them. Values out of range (``strategy.stage=4``) and keys added with a ``+``
-(``+strategy.bucket_size_m=10``) are caught by :func:`validate_config`, which builds the dataclass (its
-``__post_init__``) and checks the trainer's settings, right after composition and before any ``Trainer`` or process
-exists.
+here in Hydra's ConfigStore (``defaults: [/zero_scratch_schema@_here_, _self_]``; also ``/ddp_scratch_schema``,
+``/robust_ddp_scratch_schema``, ``/pipeline_scratch_schema`` and ``/tensor_parallel_scratch_schema``), so a misspelt key
+or a value of the wrong type fails while the config is composed. The schemas sit at the root of the ConfigStore, in no
+config group: they are no ``strategy=`` option and ``--help`` does not list them. Values out of range
+(``strategy.stage=4``) and keys added with a ``+`` (``+strategy.bucket_size_m=10``) are caught by
+:func:`validate_config`, which builds the dataclass (its ``__post_init__``) and checks the trainer's settings, right
+after composition and before any ``Trainer`` or process exists.
 """
 
 from __future__ import annotations
@@ -26,7 +26,10 @@ from omegaconf import DictConfig, OmegaConf
 from lightning_zero.comm.powersgd import compression_config
 from lightning_zero.robust.aggregation import RobustAggregator
 from lightning_zero.robust.engine import check_precision_settings, check_workers
+from lightning_zero.strategies.pipeline import PipelineStrategy
+from lightning_zero.strategies.tensor_parallel import TensorParallelStrategy
 from lightning_zero.training.distributed import START_METHODS
+from lightning_zero.training.mesh import Mesh
 from lightning_zero.training.module_classes import module_classes
 from lightning_zero.training.precision import parse_dtype, resolve_policy, unified_precision
 from lightning_zero.zero.hybrid import check_shard_size
@@ -243,10 +246,54 @@ class RobustDDPStrategyConf:
             )
 
 
+@dataclass
+class PipelineStrategyConf:
+    """Schema of ``strategy=pipeline_scratch`` (:class:`lightning_zero.PipelineStrategy`)."""
+
+    _target_: str = "lightning_zero.PipelineStrategy"
+    micro_batches: int = 4
+    schedule: str = "1f1b"
+    layers: Optional[str] = None
+    balance: Optional[list[int]] = None
+    stages: Optional[int] = None
+    model_init: str = "full"
+    process_group_backend: Optional[str] = None
+    timeout: float = 1800.0
+    start_method: str = "popen"
+
+    def __post_init__(self) -> None:
+        _check_common(self.process_group_backend, self.timeout, self.start_method)
+        settings = {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
+        with _as_config_error():
+            PipelineStrategy(**settings)  # its own checks; builds nothing
+
+
+@dataclass
+class TensorParallelStrategyConf:
+    """Schema of ``strategy=tensor_parallel_scratch`` (:class:`lightning_zero.TensorParallelStrategy`)."""
+
+    _target_: str = "lightning_zero.TensorParallelStrategy"
+    tensor_parallel_size: Optional[int] = None
+    plan: Optional[str] = None
+    plan_root: str = ""
+    bucket_size_mb: float = 25.0
+    process_group_backend: Optional[str] = None
+    timeout: float = 1800.0
+    start_method: str = "popen"
+
+    def __post_init__(self) -> None:
+        _check_common(self.process_group_backend, self.timeout, self.start_method)
+        settings = {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
+        with _as_config_error():
+            TensorParallelStrategy(**settings)  # its own checks (the plan's import path too); builds nothing
+
+
 SCHEMAS: dict[str, type] = {
     "ddp_scratch_schema": ScratchDDPStrategyConf,
     "zero_scratch_schema": ZeroStrategyConf,
     "robust_ddp_scratch_schema": RobustDDPStrategyConf,
+    "pipeline_scratch_schema": PipelineStrategyConf,
+    "tensor_parallel_scratch_schema": TensorParallelStrategyConf,
 }
 
 
@@ -371,6 +418,14 @@ def validate_config(cfg: DictConfig) -> None:
         _check_robust(schema, trainer.get("devices", "auto"), num_nodes)
     if isinstance(schema, ZeroStrategyConf):
         _check_shard_size(schema, trainer.get("devices", "auto"), num_nodes)
+    if isinstance(schema, PipelineStrategyConf):
+        _check_model_split(schema.stages, "stages", trainer.get("devices", "auto"), num_nodes, schema.balance)
+    if isinstance(schema, TensorParallelStrategyConf):
+        _check_model_split(
+            schema.tensor_parallel_size, "tensor_parallel_size", trainer.get("devices", "auto"), num_nodes
+        )
+    if isinstance(schema, (PipelineStrategyConf, TensorParallelStrategyConf)):
+        return _check_ckpt_path(cfg.get("ckpt_path"))  # no precision policy: these refuse its settings
     if schema is not None:
         _check_precision(schema, trainer.get("precision", "32-true"))
     _check_ckpt_path(cfg.get("ckpt_path"))
@@ -426,6 +481,27 @@ def _check_shard_size(schema: ZeroStrategyConf, devices: Any, num_nodes: int) ->
                 f"strategy ({schema._target_}): {err} (trainer.devices={processes // num_nodes} x"
                 f" trainer.num_nodes={num_nodes})"
             ) from None
+
+
+def _check_model_split(
+    size: int | None, name: str, devices: Any, num_nodes: int, balance: list[int] | None = None
+) -> None:
+    """A model split ``size`` ways (``name``: pipeline stages, tensor-parallel ranks) divides devices x num_nodes, and
+    a pipeline's ``balance`` has one entry per stage (when devices is a number)."""
+    processes = _processes(devices, num_nodes)
+    if processes is None:
+        return
+    context = f"(trainer.devices={processes // num_nodes} x trainer.num_nodes={num_nodes})"
+    size = size or processes
+    try:
+        Mesh(processes, size, name=name)
+    except ValueError as err:
+        raise ConfigError(f"strategy: {err} {context}") from None
+    if balance is not None and len(balance) != size:
+        raise ConfigError(
+            f"strategy (pipeline_scratch): balance={list(balance)} has {len(balance)} entries: expected one per stage,"
+            f" {size} {context}"
+        )
 
 
 def _check_robust(schema: RobustDDPStrategyConf, devices: Any, num_nodes: int) -> None:

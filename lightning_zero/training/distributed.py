@@ -151,6 +151,14 @@ PIPELINE_NAMES: Names = (
     ("pipeline_scratch", "From-scratch pipeline parallelism (GPipe, 1F1B), popen launcher", {}),
     ("pipeline_scratch_spawn", "From-scratch pipeline parallelism, spawn launcher", {"start_method": "spawn"}),
 )
+TENSOR_PARALLEL_NAMES: Names = (
+    ("tensor_parallel_scratch", "From-scratch Megatron tensor parallelism x data parallelism, popen launcher", {}),
+    (
+        "tensor_parallel_scratch_spawn",
+        "From-scratch Megatron tensor parallelism x data parallelism, spawn launcher",
+        {"start_method": "spawn"},
+    ),
+)
 ROBUST_NAMES: Names = (
     ("robust_ddp_scratch", "Byzantine-robust data parallelism, popen launcher", {}),
     ("robust_ddp_scratch_spawn", "Byzantine-robust data parallelism, spawn launcher", {"start_method": "spawn"}),

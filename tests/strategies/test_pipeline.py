@@ -107,6 +107,42 @@ def test_two_replicas_of_a_two_stage_pipeline_match_ddp_on_two_ranks():
         assert stats["grads"] == config.optimizer_steps  # one gradient all-reduce per window, none in between
 
 
+class BatchNormModule(ParityModule):
+    """The parity module with BatchNorm after each hidden Linear: buffers that ddp broadcasts from rank 0. The Linears
+    before a BatchNorm have no bias, as usual: its gradient is zero in exact arithmetic, and AdamW would turn two runs'
+    different rounding noise into opposite steps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(
+            nn.Linear(6, 16, bias=False),
+            nn.BatchNorm1d(16),
+            nn.Tanh(),
+            nn.Linear(16, 16, bias=False),
+            nn.BatchNorm1d(16),
+            nn.Linear(16, 3),
+        )
+
+
+def _fit_batchnorm(strategy_name: str, devices: int) -> dict[str, torch.Tensor]:
+    config = ParityConfig(world_size=2, batch_size=4)
+    L.seed_everything(config.seed, verbose=False)
+    module = BatchNormModule()
+    strategy = pipeline(stages=2, micro_batches=1) if strategy_name == "pipeline" else strategy_name
+    make_trainer(config, strategy, devices=devices).fit(module, train_loader(config))
+    return {k: v.detach().clone() for k, v in module.net.state_dict().items()}
+
+
+def test_replicas_keep_batchnorm_buffers_as_lightning_ddp_does():
+    ddp = run_workers(_fit_batchnorm, 2, "ddp", 2, timeout=120)
+    for rank, state in enumerate(run_workers(_fit_batchnorm, 4, "pipeline", 4, timeout=120)):
+        assert "1.running_mean" in state and "4.num_batches_tracked" in state
+        # weights, and the running statistics: replica r's are those of ddp's rank r (each updated its own since the
+        # last broadcast of rank 0's)
+        assert max_abs_diff(state, ddp[rank // 2]) < 1e-5
+
+
 def _fit_meta(config: ParityConfig) -> tuple[dict[str, torch.Tensor], list[bool]]:
     L.seed_everything(config.seed, verbose=False)
     module = ParityModule(config.lr, config.optimizer, build_in_configure_model=True)
@@ -215,6 +251,14 @@ def test_checkpoint_is_the_whole_model_and_resumes_exactly(tmp_path):
     for result in results:
         assert max_abs_diff(result["resumed"], result["straight"]) == 0.0
     checkpoint = torch.load(tmp_path / "epoch1.ckpt", weights_only=False)
+    assert checkpoint["parallel_layout"] == {
+        "strategy": "pipeline_scratch",
+        "stages": 2,
+        "replicas": 1,
+        "balance": [3, 3],
+        "schedule": "1f1b",
+        "micro_batches": 2,
+    }
     assert set(checkpoint["state_dict"]) == {f"net.{k}" for k in make_net().state_dict()}
     plain = make_net()
     plain.load_state_dict({k.removeprefix("net."): v for k, v in checkpoint["state_dict"].items()})
@@ -263,8 +307,8 @@ class _OutsideParameter(ParityModule):
 
 
 def _refused_module(kind: str) -> str:
-    module = _OutsideParameter() if kind == "outside" else ParityModule()
-    strategy = pipeline() if kind == "outside" else lightning_zero.PipelineStrategy(layers="missing")
+    module = {"outside": _OutsideParameter, "batchnorm": BatchNormModule}.get(kind, ParityModule)()
+    strategy = lightning_zero.PipelineStrategy(layers="missing") if kind == "missing" else pipeline(micro_batches=2)
     trainer = make_trainer(CONFIG, strategy, devices=2, max_epochs=1)
     try:
         trainer.fit(module, train_loader(CONFIG))
@@ -278,6 +322,7 @@ def _refused_module(kind: str) -> str:
     [
         ("outside", "the trainable parameters ['scale'] are outside 'net'"),
         ("missing", "ParityModule.missing is NoneType: expected the nn.Sequential"),
+        ("batchnorm", "['net.1', 'net.4'] normalize each micro-batch by its own statistics, so with micro_batches=2"),
     ],
 )
 def test_modules_the_pipeline_cannot_split_are_refused(kind, message):

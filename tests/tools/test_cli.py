@@ -24,8 +24,10 @@ from lightning_zero.demo import CharGPTModule, CharTextDataModule
 from lightning_zero.tools.config import (
     SCHEMAS,
     ConfigError,
+    PipelineStrategyConf,
     RobustDDPStrategyConf,
     ScratchDDPStrategyConf,
+    TensorParallelStrategyConf,
     ZeroStrategyConf,
     validate_config,
 )
@@ -77,11 +79,21 @@ def test_default_is_the_zero3_demo_on_two_cpu_processes(compose_cfg) -> None:
     assert cfg.optimized_metric == "val/ppl"
 
 
-@pytest.mark.parametrize("name", [*OUR_STRATEGIES, "robust_ddp_scratch"])
+@pytest.mark.parametrize("name", [*OUR_STRATEGIES, "robust_ddp_scratch", "pipeline_scratch", "tensor_parallel_scratch"])
 def test_our_strategy_configs_are_typed_and_instantiate(compose_cfg, name: str) -> None:
     cfg = compose_cfg(f"strategy={name}")
-    schemas = {"ddp_scratch": ScratchDDPStrategyConf, "robust_ddp_scratch": RobustDDPStrategyConf}
-    classes = {"ddp_scratch": lightning_zero.ScratchDDPStrategy, "robust_ddp_scratch": lightning_zero.RobustDDPStrategy}
+    schemas = {
+        "ddp_scratch": ScratchDDPStrategyConf,
+        "robust_ddp_scratch": RobustDDPStrategyConf,
+        "pipeline_scratch": PipelineStrategyConf,
+        "tensor_parallel_scratch": TensorParallelStrategyConf,
+    }
+    classes = {
+        "ddp_scratch": lightning_zero.ScratchDDPStrategy,
+        "robust_ddp_scratch": lightning_zero.RobustDDPStrategy,
+        "pipeline_scratch": lightning_zero.PipelineStrategy,
+        "tensor_parallel_scratch": lightning_zero.TensorParallelStrategy,
+    }
     assert OmegaConf.get_type(cfg.strategy) is schemas.get(name, ZeroStrategyConf)
     strategy = instantiate(cfg.strategy)
     assert type(strategy) is classes.get(name, lightning_zero.ZeroStrategy)
@@ -293,6 +305,26 @@ def test_callbacks_and_logger_instantiate(compose_cfg, tmp_path: Path) -> None:
             "reduce_dtype='bf16' cannot be combined with grad_compression='powersgd'",
         ),
         (
+            ["strategy=pipeline_scratch", "strategy.stages=3"],
+            "stages=3 is invalid: expected a divisor of the world size 2",
+        ),
+        (
+            ["strategy=pipeline_scratch", "strategy.balance=[3,2,2]", "trainer.devices=4", "strategy.stages=2"],
+            "balance=[3, 2, 2] has 3 entries: expected one per stage, 2 (trainer.devices=4 x trainer.num_nodes=1)",
+        ),
+        (
+            ["strategy=tensor_parallel_scratch", "strategy.tensor_parallel_size=4"],
+            "tensor_parallel_size=4 is invalid: expected a divisor of the world size 2",
+        ),
+        (
+            ["strategy=tensor_parallel_scratch", "strategy.plan=lightning_zero.tensor_parallel.NO_SUCH_PLAN"],
+            "plan='lightning_zero.tensor_parallel.NO_SUCH_PLAN' is invalid",
+        ),
+        (
+            ["strategy=pipeline_scratch", "strategy.schedule=zero_bubble"],
+            "schedule='zero_bubble' is invalid: expected one of ('gpipe', '1f1b')",
+        ),
+        (
             ["ckpt_path=/nonexistent/last.ckpt"],
             "ckpt_path='/nonexistent/last.ckpt' is invalid: expected null, 'last' (resume from the newest last*.ckpt",
         ),
@@ -377,6 +409,26 @@ def test_cli_lists_only_the_strategies_as_options(tmp_path: Path) -> None:
     listed = "\n".join(f"\t{name}" for name in options("strategy"))
     assert f"Available options in 'strategy':\n{listed}\nConfig search path:" in result.stdout, result.stdout
     assert not run_dir.exists()  # refused while composing, before Hydra creates the run dir
+
+
+@pytest.mark.timeout(120)
+def test_cli_digits_pipeline_trains_and_both_stages_report_the_same_metrics(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    args = [
+        "experiment=digits_pipeline",
+        "trainer.max_steps=30",
+        "trainer.val_check_interval=15",
+        f"hydra.run.dir={run_dir}",
+    ]
+    result = run_cli(args, tmp_path, timeout=90)
+    assert result.returncode == 0, result.stdout[-6000:]
+    first, final = map(float, re.search(r"val/loss: first ([\d.]+) \(step 0\), final ([\d.]+)", result.stdout).groups())
+    assert final < first
+    done = r"rank {} of 2: done, validation metrics (\{{.*\}})"
+    rank0 = re.search(done.format(0), result.stdout)
+    rank1 = re.search(done.format(1), (run_dir / "train_ddp_process_1.log").read_text())
+    assert rank0 is not None and rank1 is not None and rank0.group(1) == rank1.group(1)  # the last stage's, on both
+    assert (run_dir / "checkpoints" / "last.ckpt").is_file()  # the whole model, gathered from both stages
 
 
 @pytest.mark.timeout(120)

@@ -34,6 +34,8 @@ STRATEGY_CLASS = {
     "zero2_scratch": "ZeroStrategy",
     "zero3_scratch": "ZeroStrategy",
     "ddp": "DDPStrategy",
+    "pipeline_scratch": "PipelineStrategy",
+    "tensor_parallel_scratch": "TensorParallelStrategy",
 }
 
 
@@ -120,6 +122,19 @@ def test_popen_sweep_runs_each_job_once_in_its_own_dir_and_reports(tmp_path: Pat
 @pytest.mark.timeout(600)
 def test_popen_sweep_of_every_strategy(tmp_path: Path) -> None:
     _sweep(tmp_path, ["ddp_scratch", "zero1_scratch", "zero2_scratch", "zero3_scratch", "ddp"], timeout=540)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_layout_sweep_reports_one_table_and_the_model_parallel_layouts_agree(tmp_path: Path) -> None:
+    layouts = ["ddp_scratch", "pipeline_scratch", "tensor_parallel_scratch"]
+    root = _sweep(tmp_path, layouts, "experiment=char_layouts", timeout=540)
+    with write_report(root)["report.csv"].open() as file:
+        rows = {row["strategy"]: row for row in csv.DictReader(file)}
+    assert set(rows) == set(layouts) and all(row["status"] == "ok" for row in rows.values())
+    # Both split the model over the 2 processes of one replica and see the same batches: the same training.
+    pipeline, tensor = (float(rows[name]["final_val/ppl"]) for name in layouts[1:])
+    assert pipeline == pytest.approx(tensor, rel=1e-4)
 
 
 @pytest.mark.slow

@@ -1,0 +1,287 @@
+"""``tensor_parallel_scratch`` on the demo ``CharGPTModule`` against a plain single-process PyTorch loop.
+
+The reference replays what Lightning does with ``R`` data replicas (``tests/helpers/parity.py``'s pattern): step
+``k``'s global batch is the union of every replica's ``k``-th batch of a shuffling ``DistributedSampler(num_replicas=R,
+rank=r, seed)``, the loss the mean of the replicas' mean losses, divided by ``accumulate_grad_batches``, then
+``clip_grad_norm_`` and AdamW. AdamW runs with ``eps=1e-4``: some gradients are zero in exact arithmetic (the key bias)
+and Adam would turn their rounding noise, which differs with the summation order, into full-size steps (see
+``_adamw`` in ``tests/tensor_parallel/test_plan.py``). The learning rate is constant (``warmup_steps=0``,
+``min_lr_ratio=1``).
+
+Ledger of one micro-batch (Shoeybi et al. 2019, section 3; ``tests/tensor_parallel/test_plan.py``): per block two
+activation all-reduces forward and two backward, plus the vocabulary-parallel embedding's forward one, the head's
+backward one and the loss's three: ``4 * layers + 5`` all-reduces tagged ``"tp"``.
+"""
+
+from __future__ import annotations
+
+import os
+from unittest.mock import Mock
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.plugins.precision import MixedPrecision
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+import lightning_zero
+from lightning_zero.comm import collectives as comm
+from lightning_zero.demo.model import CharGPT, CharGPTModule
+from lightning_zero.tensor_parallel import GPT_PLAN, ColwiseParallel
+from tests.helpers.parity import max_abs_diff, quiet_trainer
+from tests.helpers.workers import run_workers
+
+VOCAB, BLOCK, LAYERS, HEADS, EMBD = 16, 8, 2, 4, 16
+BATCH, BATCHES, EPOCHS, SEED, LR, CLIP = 4, 4, 2, 7, 3e-3, 0.5
+TP_PER_MICRO_BATCH = 4 * LAYERS + 5
+TP_BYTES_PER_MICRO_BATCH = (4 * LAYERS + 2) * BATCH * BLOCK * EMBD * 4 + 3 * BATCH * BLOCK * 4  # activations + loss
+TOLERANCE = 1e-5
+
+
+def make_dataset(replicas: int) -> TensorDataset:
+    """One sample short of full batches: the sampler pads (repeats) one index whenever ``replicas > 1``."""
+    g = torch.Generator().manual_seed(1234)
+    tokens = torch.randint(0, VOCAB, (replicas * BATCH * BATCHES - 1, BLOCK + 1), generator=g)
+    return TensorDataset(tokens[:, :-1], tokens[:, 1:])
+
+
+def make_net() -> CharGPT:
+    torch.manual_seed(0)
+    return CharGPT(VOCAB, BLOCK, LAYERS, HEADS, EMBD, dropout=0.0)
+
+
+def _adamw(groups: list[dict]) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(groups, lr=LR, eps=1e-4)
+
+
+def make_module(cls: type[CharGPTModule] = CharGPTModule) -> CharGPTModule:
+    """The module with :func:`make_net`'s weights (built here, so ``configure_model`` keeps them)."""
+    module = cls(VOCAB, BLOCK, LAYERS, HEADS, EMBD, 0.0, optimizer=_adamw, warmup_steps=0, min_lr_ratio=1.0)
+    module.net = make_net()
+    return module
+
+
+def reference(replicas: int, accumulate: int, clip: float | None, epochs: int = EPOCHS) -> dict:
+    """The plain PyTorch run (module docstring): final weights, each replica's loss per step, the global loss."""
+    dataset, net = make_dataset(replicas), make_net()
+    decay = [p for p in net.parameters() if p.ndim >= 2]
+    optimizer = _adamw([{"params": decay}, {"params": [p for p in net.parameters() if p.ndim < 2], "weight_decay": 0}])
+    replica_losses: list[list[float]] = [[] for _ in range(replicas)]
+    for epoch in range(epochs):
+        per_replica = []
+        for r in range(replicas):
+            sampler = DistributedSampler(dataset, num_replicas=replicas, rank=r, shuffle=True, seed=SEED)
+            sampler.set_epoch(epoch)
+            per_replica.append(list(sampler))
+        n_batches = -(-len(per_replica[0]) // BATCH)
+        for k in range(n_batches):
+            losses = []
+            for r, indices in enumerate(per_replica):
+                x, y = dataset[indices[k * BATCH : (k + 1) * BATCH]]
+                losses.append(F.cross_entropy(net(x).flatten(0, 1), y.flatten()))
+                replica_losses[r].append(losses[-1].item())
+            (torch.stack(losses).mean() / accumulate).backward()
+            if (k + 1) % accumulate == 0 or k + 1 == n_batches:
+                if clip is not None:
+                    nn.utils.clip_grad_norm_(net.parameters(), clip)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+    return {"weights": {k: v.detach().clone() for k, v in net.state_dict().items()}, "losses": replica_losses}
+
+
+class Recorder(L.Callback):
+    """Each training batch's logged loss and what it communicated."""
+
+    TAGS = ("grads", "tp", "tp/grad_norm")
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.ledger: list[dict[str, int]] = []
+
+    def _counts(self) -> dict[str, int]:
+        return {tag: comm.LEDGER.calls("all_reduce", tag) for tag in self.TAGS} | {
+            "tp bytes": comm.LEDGER.bytes("all_reduce", "tp")
+        }
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._start = self._counts()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.losses.append(trainer.callback_metrics["train/loss"].item())
+        self.ledger.append({tag: n - self._start[tag] for tag, n in self._counts().items()})
+
+
+def _fit(devices: int, strategy: dict | str, accumulate: int, clip: float | None, module_cls=CharGPTModule) -> dict:
+    """Fit under ``strategy`` (a registered name, or the strategy's arguments) and validate after."""
+    L.seed_everything(SEED, verbose=False)
+    replicas = devices // (strategy.get("tensor_parallel_size") or devices) if isinstance(strategy, dict) else 1
+    strategy = lightning_zero.TensorParallelStrategy(**strategy) if isinstance(strategy, dict) else strategy
+    module, recorder = make_module(module_cls), Recorder()
+    with torch.no_grad():  # every rank but 0 starts from other weights: the strategy starts from rank 0's
+        for p in module.net.parameters():
+            p.add_(int(os.environ["RANK"]))
+    trainer = quiet_trainer(
+        strategy,
+        devices=devices,
+        max_epochs=EPOCHS,
+        accumulate_grad_batches=accumulate,
+        gradient_clip_val=clip,
+        callbacks=[recorder],
+    )
+    trainer.fit(module, DataLoader(make_dataset(replicas), batch_size=BATCH))
+    return {
+        "weights": {k: v.detach().clone() for k, v in module.net.state_dict().items()},
+        "losses": recorder.losses,
+        "ledger": recorder.ledger,
+        "sampler": trainer.strategy.distributed_sampler_kwargs,
+        "n_head": [block.n_head for block in module.net.blocks],
+        "plain": all(type(m) in (nn.Linear, nn.Embedding) for m in (module.net.wte, module.net.head)),
+        "group_left": hasattr(module, "tensor_parallel_group"),
+        "validated": trainer.validate(module, DataLoader(make_dataset(replicas), batch_size=BATCH), verbose=False),
+    }
+
+
+def _expected_validation(replicas: int, weights: dict[str, torch.Tensor]) -> tuple[float, float]:
+    net = make_net()
+    net.load_state_dict(weights)
+    x, y = make_dataset(replicas).tensors
+    with torch.no_grad():
+        loss = F.cross_entropy(net(x).flatten(0, 1), y.flatten())
+    return loss.item(), loss.exp().item()
+
+
+def _check_fit(results: list[dict], replicas: int, accumulate: int, clip: float | None) -> float:
+    expected = reference(replicas, accumulate, clip)
+    worst = 0.0
+    for rank, result in enumerate(results):
+        diff = max_abs_diff(result["weights"], expected["weights"])
+        worst = max(worst, diff)
+        assert diff < TOLERANCE, (rank, diff)
+        tp = len(results) // replicas
+        assert result["losses"] == pytest.approx(expected["losses"][rank // tp], abs=TOLERANCE)
+        assert result["sampler"] == {"num_replicas": replicas, "rank": rank // tp}
+        assert result["n_head"] == [HEADS] * LAYERS and result["plain"] and not result["group_left"]  # whole again
+    return worst
+
+
+# ---------------------------------------------------------------- training parity
+def test_two_tensor_parallel_ranks_match_single_process_loss_weights_and_validation():
+    strategy = {"tensor_parallel_size": 2, "plan": dict(GPT_PLAN), "plan_root": "net"}
+    results = run_workers(_fit, 2, 2, strategy, 1, CLIP, timeout=120)
+    _check_fit(results, replicas=1, accumulate=1, clip=CLIP)
+    expected_loss, expected_ppl = _expected_validation(1, results[0]["weights"])
+    for result in results:  # validate() parallelizes the whole module again, and vocab-shards val/loss and val/ppl
+        (metrics,) = result["validated"]
+        assert metrics["val/loss"] == pytest.approx(expected_loss, abs=1e-5)
+        assert metrics["val/ppl"] == pytest.approx(expected_ppl, rel=1e-5)
+
+
+def test_two_replicas_of_two_tensor_parallel_ranks_match_and_communicate_as_theory():
+    strategy = {"tensor_parallel_size": 2, "plan": "lightning_zero.tensor_parallel.GPT_PLAN", "plan_root": "net"}
+    results = run_workers(_fit, 4, 4, strategy, 2, CLIP, timeout=180)
+    _check_fit(results, replicas=2, accumulate=2, clip=CLIP)
+    tp = {"tp": TP_PER_MICRO_BATCH, "tp bytes": TP_BYTES_PER_MICRO_BATCH}
+    window = [
+        {"grads": 0, "tp/grad_norm": 0, **tp},  # non-boundary: no data-parallel communication
+        {"grads": 1, "tp/grad_norm": 1, **tp},  # boundary: one bucket, one norm all-reduce
+    ]
+    for result in results:
+        assert result["ledger"] == window * (BATCHES // 2) * EPOCHS
+
+
+class PlainLossModule(CharGPTModule):
+    """An unchanged module (``F.cross_entropy`` on whole logits) with its own plan: the head gathers its output."""
+
+    def tensor_parallel_plan(self) -> dict:
+        plan = {f"net.{key}": style for key, style in GPT_PLAN.items()}
+        return {**plan, "net.head": ColwiseParallel(gather_output=True)}
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        assert logits.shape[-1] == VOCAB  # whole: gathered by the head
+        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+        self.log("train/loss", loss)
+        return loss
+
+
+def test_registered_name_with_the_module_plan_and_a_gathered_head():
+    results = run_workers(_fit, 2, 2, "tensor_parallel_scratch", 2, None, PlainLossModule, timeout=120)
+    _check_fit(results, replicas=1, accumulate=2, clip=None)
+
+
+# ---------------------------------------------------------------- checkpoints
+def _save_and_resume(directory: str) -> dict:
+    def run(epochs: int, ckpt_path: str | None) -> dict[str, torch.Tensor]:
+        L.seed_everything(SEED, verbose=False)
+        module = make_module()
+        strategy = lightning_zero.TensorParallelStrategy(plan=GPT_PLAN, plan_root="net")
+        trainer = quiet_trainer(strategy, devices=2, max_epochs=epochs, gradient_clip_val=CLIP)
+        trainer.fit(module, DataLoader(make_dataset(1), batch_size=BATCH), ckpt_path=ckpt_path)
+        if epochs == 1:
+            trainer.save_checkpoint(f"{directory}/epoch1.ckpt")
+        return {k: v.detach().clone() for k, v in module.net.state_dict().items()}
+
+    run(1, None)
+    return {"resumed": run(2, f"{directory}/epoch1.ckpt"), "straight": run(2, None)}
+
+
+def test_checkpoint_is_the_whole_unparallelized_model_and_resumes_bit_identically(tmp_path):
+    for result in run_workers(_save_and_resume, 2, str(tmp_path), timeout=180):
+        assert max_abs_diff(result["resumed"], result["straight"]) == 0.0
+    checkpoint = torch.load(tmp_path / "epoch1.ckpt", weights_only=False)
+    plain = make_net()
+    shapes = {f"net.{k}": v.shape for k, v in plain.state_dict().items()}
+    assert {k: v.shape for k, v in checkpoint["state_dict"].items()} == shapes
+    plain.load_state_dict({k.removeprefix("net."): v for k, v in checkpoint["state_dict"].items()})
+    expected = reference(1, 1, CLIP, epochs=1)["weights"]  # the file holds the trained weights, not a slice
+    assert max_abs_diff(plain.state_dict(), expected) < TOLERANCE
+    decay = [p for p in plain.parameters() if p.ndim >= 2]
+    optimizer = _adamw([{"params": decay}, {"params": [p for p in plain.parameters() if p.ndim < 2]}])
+    optimizer.load_state_dict(checkpoint["optimizer_states"][0])  # the plain model's optimizer takes it
+    for p in plain.parameters():
+        assert optimizer.state[p]["exp_avg"].shape == optimizer.state[p]["exp_avg_sq"].shape == p.shape
+
+
+# ---------------------------------------------------------------- refusals
+def test_settings_it_cannot_run_are_refused():
+    strategy = lightning_zero.TensorParallelStrategy(plan=GPT_PLAN)
+    strategy.precision_plugin = MixedPrecision("16-mixed", "cuda", scaler=Mock())  # on CPU the Trainer would not
+    with pytest.raises(ValueError, match="does not run precision='16-mixed'"):
+        strategy._check_before_launch()
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 is invalid: expected a divisor of the world size 2"):
+        quiet_trainer(lightning_zero.TensorParallelStrategy(tensor_parallel_size=3, plan=GPT_PLAN), devices=2)
+    with pytest.raises(ValueError, match=r"does not take \['find_unused_parameters', 'param_dtype'\]"):
+        lightning_zero.TensorParallelStrategy(plan=GPT_PLAN, param_dtype="bf16", find_unused_parameters=True)
+    with pytest.raises(ValueError, match=r"plan='lightning_zero\.NO_PLAN' is invalid: expected a mapping"):
+        lightning_zero.TensorParallelStrategy(plan="lightning_zero.NO_PLAN")
+    with pytest.raises(ValueError, match="tensor_parallel_size=0 is invalid: expected an integer >= 1"):
+        lightning_zero.TensorParallelStrategy(tensor_parallel_size=0)
+
+
+class NoPlanModule(CharGPTModule):
+    tensor_parallel_plan = None
+
+
+def _fit_without_plan() -> str:
+    trainer = quiet_trainer("tensor_parallel_scratch", devices=2, max_epochs=1)
+    try:
+        trainer.fit(make_module(NoPlanModule), DataLoader(make_dataset(1), batch_size=BATCH))
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_a_run_without_a_plan_is_refused_naming_the_settings():
+    for message in run_workers(_fit_without_plan, 2, timeout=120):
+        assert message.startswith("tensor_parallel_scratch needs a plan: pass TensorParallelStrategy(plan=")
+        assert "give NoPlanModule a `tensor_parallel_plan`" in message
+
+
+def test_registered_names():
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    assert StrategyRegistry["tensor_parallel_scratch"]["strategy"] is lightning_zero.TensorParallelStrategy
+    assert StrategyRegistry["tensor_parallel_scratch_spawn"]["init_params"] == {"start_method": "spawn"}
