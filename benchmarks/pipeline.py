@@ -149,6 +149,12 @@ def main() -> None:
                     f"{schedule:>8} {m:>3} {a:9.1f} {b:9.1f} {a / b:6.2f} {bubble.item() / world:7.3f}"
                     f" {bubble_fraction(world, m):7.3f} {peaks['ours'] / 2**20:12.1f} {peaks['torch'] / 2**20:13.1f}"
                 )
+    # Both sides train the very same stage modules: one count per rank of their parameters and gradients.
+    states = torch.tensor(float(sum(2 * p.numel() * p.element_size() for p in layers.parameters())))
+    gathered = [torch.zeros(()) for _ in range(world)]
+    dist.all_gather(gathered, states)
+    if rank == 0:
+        print("model states per rank (parameters + gradients, both sides):", [f"{t / 2**20:.1f} MiB" for t in gathered])
     comm.barrier()
     dist.destroy_process_group()
 

@@ -356,6 +356,18 @@ class ScratchParallelStrategy(DistributedPlumbing, ParallelStrategy):
             check_shapes(checkpoint_path, shapes_of(checkpoint.get("state_dict", {})), shapes_of(module.state_dict()))
         return checkpoint
 
+    @property
+    def layout(self) -> dict[str, Any] | None:
+        """How the model is split over the ranks, written into Lightning checkpoints as ``"parallel_layout"``
+        (``None``: every rank holds the whole model, nothing is written)."""
+        return None
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        layout = self.layout
+        checkpoint = {**checkpoint, "parallel_layout": layout} if layout is not None else checkpoint
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
     # ------------------------------------------------------------ faults
     @override
     def on_exception(self, exception: BaseException) -> None:

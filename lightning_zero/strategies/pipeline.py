@@ -425,8 +425,9 @@ class PipelineStrategy(ScratchParallelStrategy):
 
     # ------------------------------------------------------------ checkpoints ([Note: stage placeholders])
     @property
+    @override
     def layout(self) -> dict[str, Any]:
-        """The run's layout, written into its checkpoints (``"parallel_layout"``; any layout loads them)."""
+        """Stages, replicas, the layers per stage and the schedule (any layout loads the checkpoints)."""
         return {
             "strategy": self.strategy_name,
             "stages": self.mesh.model_size,
@@ -435,10 +436,6 @@ class PipelineStrategy(ScratchParallelStrategy):
             "schedule": self.schedule,
             "micro_batches": self.micro_batches,
         }
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        super().save_checkpoint({**checkpoint, "parallel_layout": self.layout}, filepath, storage_options)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:

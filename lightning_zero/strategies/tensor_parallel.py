@@ -11,6 +11,11 @@ Runbook::
     trainer = Trainer(accelerator="cpu", devices=4, strategy=strategy)  # 2 data replicas x 2 tensor-parallel ranks
     trainer.fit(module, datamodule)
 
+    # ZeRO over the data-parallel dimension: each replica keeps half of its slice's optimizer state (and gradients)
+    strategy = lightning_zero.TensorParallelStrategy(
+        tensor_parallel_size=2, plan=GPT_PLAN, plan_root="net", zero_stage=2
+    )
+
 Registered names: ``tensor_parallel_scratch`` (popen launcher) and ``tensor_parallel_scratch_spawn``: one
 tensor-parallel group over every rank, and the module's own plan (below).
 
@@ -37,21 +42,44 @@ itself. With ``ColwiseParallel(gather_output=True)`` on the head the logits are 
 tensor_parallel_size + index). The ranks of a replica (its tensor-parallel group) read the same batches: the sampler's
 replicas are the model replicas (``num_replicas`` = the data size, ``rank`` = the replica). Rank ``(r, i)`` holds slice
 ``i`` of every sharded parameter, and averages its gradients with the ranks holding the same slice, ``(*, i)`` (its
-data-parallel group), through :class:`~lightning_zero.dp.reducer.GradientReducer`: buckets all-reduced while the
-backward runs, nothing at all on the non-boundary micro-batches of gradient accumulation. The replicated parameters
-(LayerNorms, the position embedding, a row-parallel layer's bias) get equal gradients on every rank of a replica (all
-they see is replicated), so the same average keeps every copy equal. With one replica nothing is averaged.
+data-parallel group), through :class:`~lightning_zero.dp.reducer.GradientReducer` (``zero_stage=0``): buckets
+all-reduced while the backward runs, nothing at all on the non-boundary micro-batches of gradient accumulation. The
+replicated parameters (LayerNorms, the position embedding, a row-parallel layer's bias) get equal gradients on every
+rank of a replica (all they see is replicated), so the same average keeps every copy equal. With one replica nothing is
+averaged.
 
 [Note: global norm] Norm clipping uses the norm of the whole unsharded model's gradient, as ``clip_grad_norm_`` on
 the one-process model: the squares of the sharded gradients are summed over the tensor-parallel group (one
 all-reduce of one value, ledger tag ``"tp/grad_norm"``) and the replicated ones, equal on every rank of the group,
-are added once.
+are added once. Under ZeRO each parameter's norm is first summed from its pieces in every shard of the data-parallel
+group (one all-reduce of one value per parameter, ledger tag ``"grad_norm"``).
+
+[Note: ZeRO x tensor parallel] ``zero_stage`` 1 or 2 puts the ZeRO-1/2 engine of :mod:`lightning_zero.zero.stage12`
+(:class:`~lightning_zero.zero.stage12.ShardedOptimizer`) in the reducer's place, built after ``configure_optimizers``
+over the *parallelized* module with the data-parallel group ``(*, i)`` as its shard group. The tensor roles of rank
+``(r, i)``, Ψ_i the elements of slice ``i`` (its tensor-parallel slices plus every replicated parameter):
+
+- *tensor-parallel slice*: a module parameter in slice ``i``'s local shape, now a view into a *flat param* of the
+  engine (one padded buffer per optimizer param group, 4Ψ_i bytes, equal on the ranks of the data group), which the
+  all-gather after each step refreshes. The replicated parameters lie in the same flat buffers.
+- *ZeRO shard* of the flat param: replica ``r``'s ``1 / replicas`` of it, the only tensor the optimizer steps, so the
+  optimizer state (AdamW's two moments) costs 8Ψ_i / replicas per rank instead of 8Ψ_i.
+- *gradient storage*: stage 1 keeps a full flat gradient (4Ψ_i) and communicates only at the accumulation boundary
+  (``grad_sync="boundary"``); stage 2 reduces every micro-batch and keeps only the shard's gradient (4Ψ_i / replicas)
+  plus two buckets' pool ([Note: tensor roles] in ``lightning_zero/zero/stage12.py``).
+
+Nothing crosses the tensor-parallel group but the activations, the loss and the norm: ZeRO's reductions and
+all-gathers run over the data group only, and a slice's flat layout is the same on every rank holding it. Checkpoints
+gather each state tensor over the data group first (to replica 0) and then over the tensor-parallel group, so the file
+is the same as with ``zero_stage=0``. ``zero_stage=3`` is not supported yet; with one replica there is nothing to
+shard and ``zero_stage`` changes nothing.
 
 **Checkpoints** are Lightning's plain files of the whole model in the unparallelized layout (rank 0 writes them): the
-weights are gathered with :func:`full_state_dict` and each optimizer state tensor of a parameter's local shape
-(AdamW's ``exp_avg``/``exp_avg_sq``, SGD's momentum) is gathered along the parameter's dimension, so the file loads
-into the plain model and its optimizer. Lightning restores the weights before ``setup``, into the whole model (then
-sliced like fresh ones); the optimizer state after it, sliced here. A resume is bit-identical to an uninterrupted run.
+weights are gathered with :func:`full_state_dict` and each optimizer state tensor of a parameter's local shape (AdamW's
+``exp_avg``/``exp_avg_sq``, SGD's momentum) is gathered along the parameter's dimension (under ZeRO after its
+data-parallel shards were), so the file loads into the plain model and its optimizer. Lightning restores the weights
+before ``setup``, into the whole model (then sliced like fresh ones); the optimizer state after it, sliced here. A
+resume is bit-identical to an uninterrupted run.
 
 **After fit, validate, test or predict** the module is the whole model again (``teardown`` gathers every slice back
 with :func:`unparallelize`, new ``nn.Parameter`` objects, and removes ``tensor_parallel_group``), as under ``ddp``:
@@ -59,15 +87,15 @@ use it, save it or hand it to another Trainer as it was. A run that failed leave
 wait forever on a dead peer).
 
 Not supported (refused with an error): ``16-mixed`` (its loss scaler's inf check would have to span the groups),
-``sync_batchnorm`` and the data-parallel settings (``find_unused_parameters``, ``param_dtype``, ...), buffers with
-several data replicas (they are not synchronised across replicas). Dropout draws its masks per rank, so it differs
-from the one-process model's ([Note: parallelize plan] in ``lightning_zero/tensor_parallel/plan.py``).
+``sync_batchnorm`` and the data-parallel settings (``find_unused_parameters``, ``param_dtype``, ...), ``zero_stage=3``,
+buffers with several data replicas (they are not synchronised across replicas). Dropout draws its masks per rank, so it
+differs from the one-process model's ([Note: parallelize plan] in ``lightning_zero/tensor_parallel/plan.py``).
 """
 
 from __future__ import annotations
 
 import pydoc
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -96,6 +124,12 @@ from lightning_zero.tensor_parallel import (
 from lightning_zero.tensor_parallel.layers import TensorParallelModule
 from lightning_zero.training.distributed import TENSOR_PARALLEL_NAMES, check_bucket_size
 from lightning_zero.training.mesh import Mesh, MeshGroups, new_groups
+from lightning_zero.training.precision import PrecisionPolicy
+from lightning_zero.zero import stage12_state
+from lightning_zero.zero.grad_norm import shard_grad_norms
+from lightning_zero.zero.hybrid import ShardingGroups
+from lightning_zero.zero.settings import ZeroSettings, build_stage12
+from lightning_zero.zero.stage12 import ShardedOptimizer
 
 PLAN_ATTRIBUTE = "tensor_parallel_plan"
 """The LightningModule attribute (a plan, or a method returning one) used when the strategy has no ``plan``."""
@@ -126,6 +160,9 @@ class TensorParallelStrategy(ScratchParallelStrategy):
             path of such a mapping; ``None``: the LightningModule's ``tensor_parallel_plan``.
         plan_root: the submodule ``plan``'s keys are relative to (``"net"``); ``""``: the LightningModule.
         bucket_size_mb: cap of one data-parallel gradient bucket in MiB (> 0).
+        zero_stage: how the data-parallel dimension keeps the optimizer: 0 (every replica holds its slice's whole
+            optimizer state, gradients averaged as by ``ddp``), 1 (the state sharded over the data-parallel group) or
+            2 (and the gradients); see [Note: ZeRO x tensor parallel].
         **kwargs: ``process_group_backend``, ``timeout``, ``start_method`` (see
             :class:`~lightning_zero.strategies.base.ScratchParallelStrategy`).
     """
@@ -139,6 +176,7 @@ class TensorParallelStrategy(ScratchParallelStrategy):
         plan: Mapping[str, Style] | str | None = None,
         plan_root: str = "",
         bucket_size_mb: float = 25,
+        zero_stage: int = 0,
         **kwargs: Any,
     ) -> None:
         refused = sorted(set(kwargs) & set(_DATA_PARALLEL_SETTINGS))
@@ -153,13 +191,23 @@ class TensorParallelStrategy(ScratchParallelStrategy):
         if not isinstance(plan_root, str):
             raise ValueError(f"plan_root={plan_root!r} is invalid: expected a submodule name such as 'net', or ''")
         check_bucket_size(bucket_size_mb)
+        if type(zero_stage) is not int or zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero_stage={zero_stage!r} is invalid: expected 0, 1 or 2")
+        if zero_stage == 3:
+            raise ValueError(
+                "zero_stage=3 is not supported yet by tensor_parallel_scratch: it would shard the tensor-parallel"
+                " slices themselves over the data-parallel group; use zero_stage=1 or 2"
+            )
         super().__init__(broadcast_buffers=False, **kwargs)
         self.tensor_parallel_size, self.plan_root, self.bucket_size_mb = tensor_parallel_size, plan_root, bucket_size_mb
         self.plan = _resolve(plan) if plan is not None else None
+        self.zero_stage = zero_stage
+        self._zero = ZeroSettings.check(stage=zero_stage, bucket_size_mb=bucket_size_mb) if zero_stage else None
         self.groups: MeshGroups | None = None
         self._applied: dict[str, Style] | None = None  # the plan parallelizing the module now
         self._shards: _Shards = {}  # of the parameters the optimizers were built over
-        self._reducer: GradientReducer | None = None
+        self._reducer: GradientReducer | None = None  # zero_stage=0
+        self._engine: ShardedOptimizer | None = None  # zero_stage 1 and 2; kept after the fit for save_checkpoint
         self._failed = False
 
     @property
@@ -182,14 +230,28 @@ class TensorParallelStrategy(ScratchParallelStrategy):
 
     @property
     def reducer(self) -> GradientReducer | None:
-        """The data-parallel gradient engine while fitting with several replicas, else ``None``."""
+        """The data-parallel gradient engine of ``zero_stage=0`` while fitting with several replicas, else ``None``."""
         return self._reducer
+
+    @property
+    def engine(self) -> ShardedOptimizer | None:
+        """The ZeRO engine over the data-parallel group (``zero_stage`` 1 or 2, several replicas) of the current or
+        last fit, else ``None``."""
+        return self._engine
 
     @property
     @override
     def strategy_buffers(self) -> list[Tensor]:
-        """The reducer's gradient buckets while fitting (the gradients are views into them)."""
+        """The reducer's gradient buckets while fitting (the gradients are views into them), or the ZeRO engine's
+        flat buffers, gradient storage and buckets."""
+        if self._engine is not None:
+            return self._engine.strategy_buffers
         return self._reducer.buffers if self._reducer is not None else []
+
+    @override
+    def model_state_params(self) -> list[Tensor]:
+        """The module's parameters plus the ZeRO engine's shard parameters (which the optimizer steps)."""
+        return super().model_state_params() + (list(self._engine.shard_params) if self._engine is not None else [])
 
     @override
     def _check_before_launch(self) -> None:
@@ -237,19 +299,40 @@ class TensorParallelStrategy(ScratchParallelStrategy):
         self._applied = plan
         setattr(module, GROUP_ATTRIBUTE, group)
         if fitting:
-            if self.mesh.data_size > 1:
+            replicated = self.mesh.data_size > 1
+            if replicated and self._zero is None:
                 self._reducer = GradientReducer.for_module(
                     module, bucket_cap_bytes=int(self.bucket_size_mb * 2**20), group=self.groups.data_group
                 )
             self._record_trainable()
             self.setup_optimizers(trainer)
             _optimizers_to_device(self.optimizers, self.root_device)
+            self._engine = self._shard_optimizer(module) if replicated and self._zero is not None else None
             self._shards = {
                 id(getattr(layer, key.rpartition(".")[2])): (layer, dim)
                 for key, (layer, dim) in sharded_entries(module).items()
             }
             self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm  # type: ignore[method-assign]
         self.setup_precision_plugin()
+
+    def _shard_optimizer(self, module: nn.Module) -> ShardedOptimizer:
+        """The optimizer sharded over the data-parallel group ([Note: ZeRO x tensor parallel]), over the parallelized
+        module: its flat groups hold this rank's tensor-parallel slices."""
+        assert self._zero is not None and self.groups is not None
+        if len(self.optimizers) != 1:
+            raise ValueError(
+                f"zero_stage={self.zero_stage} shards one optimizer over the data-parallel group: configure_optimizers"
+                f" returned {len(self.optimizers)}; combine them into one optimizer with several param groups"
+            )
+        # The module's own dtypes throughout (no master copies, reductions in the gradients' dtype), as zero_stage=0.
+        return build_stage12(
+            self._zero,
+            PrecisionPolicy(),
+            module,
+            self.optimizers[0],
+            find_unused_parameters=False,
+            groups=ShardingGroups(shard=self.groups.data_group),
+        )
 
     def _check_buffers(self, module: nn.Module) -> None:
         buffers = [name for name, _ in module.named_buffers()]
@@ -272,6 +355,8 @@ class TensorParallelStrategy(ScratchParallelStrategy):
         if self._reducer is not None:
             self._reducer.remove()
             self._reducer = None
+        if self._engine is not None:
+            self._engine.remove()  # its hooks; the shards stay: a save_checkpoint after the fit gathers them
         self.precision_plugin.__dict__.pop("clip_grad_by_norm", None)
         module = self.lightning_module
         if module is not None and self._applied is not None and not self._failed:
@@ -283,15 +368,33 @@ class TensorParallelStrategy(ScratchParallelStrategy):
     # ------------------------------------------------------------ gradients
     @override
     def _engine_no_sync(self) -> AbstractContextManager:
-        """Non-boundary micro-batches: accumulate locally, communicate nothing over the data-parallel group."""
+        """Non-boundary micro-batches: accumulate locally, communicate nothing over the data-parallel group (ZeRO:
+        with ``grad_sync="boundary"``, stage 1's default; stage 2 reduces every micro-batch into its shard)."""
+        if self._zero is not None:
+            return self._zero.no_sync(self._engine)
         return self._reducer.no_sync() if self._reducer is not None else nullcontext()
 
-    def _clip_grad_by_global_norm(self, optimizer: Optimizer, clip_val: float) -> None:
-        """``clip_grad_norm_`` of the whole unsharded model ([Note: global norm])."""
-        grads = [(p, p.grad) for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        """Under ZeRO, the engine readies the shard gradients after the window's last backward (before clipping) and
+        all-gathers the updated shards into the parameters after the step."""
+        engine = self._engine
+        if engine is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+        def backward_then_ready() -> Any:  # the optimizer runs the closure first, Lightning clips right after it
+            output = closure()
+            engine.before_step()
+            return output
+
+        output = super().optimizer_step(optimizer, backward_then_ready, model, **kwargs)
+        engine.after_step()
+        return output
+
+    def _clip_grad_by_global_norm(self, optimizer: Optimizer, clip_val: float) -> Tensor:
+        """``clip_grad_norm_`` of the whole unsharded model ([Note: global norm]); returns that norm."""
+        sharded, replicated, grads = self._grad_norms(optimizer)
         zero = torch.zeros((), device=self.root_device)
-        sharded = [torch.linalg.vector_norm(g, 2.0) for p, g in grads if id(p) in self._shards]
-        replicated = [torch.linalg.vector_norm(g, 2.0) for p, g in grads if id(p) not in self._shards]
         squares = torch.stack(sharded).pow(2).sum() if sharded else zero
         if self.mesh.model_size > 1:
             comm.all_reduce(squares, "sum", group=self.tensor_parallel_group, tag="tp/grad_norm")
@@ -299,9 +402,38 @@ class TensorParallelStrategy(ScratchParallelStrategy):
             squares = squares + torch.stack(replicated).pow(2).sum()
         coef = torch.clamp(clip_val / (squares.sqrt() + 1e-6), max=1.0)
         if grads:
-            torch._foreach_mul_([g for _, g in grads], coef.to(grads[0][1].device))
+            torch._foreach_mul_(grads, coef.to(grads[0].device, grads[0].dtype))
+        return squares.sqrt()
+
+    def _grad_norms(self, optimizer: Optimizer) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
+        """The norms of this rank's parameters' averaged gradients, the tensor-parallel slices' and the replicated
+        ones', and the gradient tensors to scale: ``optimizer``'s, or under ZeRO the shard gradients, each
+        parameter's norm then summed from its pieces in every shard of the data-parallel group (one all-reduce)."""
+        engine = self._engine
+        if engine is None:
+            grads = [(p, p.grad) for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+            sharded = [torch.linalg.vector_norm(g, 2.0) for p, g in grads if id(p) in self._shards]
+            replicated = [torch.linalg.vector_norm(g, 2.0) for p, g in grads if id(p) not in self._shards]
+            return sharded, replicated, [g for _, g in grads]
+        sliced = {name for g in engine.groups for p, name in zip(g.params, g.names) if id(p) in self._shards}
+        pieces = [p for p in engine.param_pieces if p.shard.grad is not None]
+        norms = shard_grad_norms(pieces, 2.0, group=engine.group, device=self.root_device)
+        sharded = [norm for p, norm in zip(pieces, norms) if p.name in sliced]
+        replicated = [norm for p, norm in zip(pieces, norms) if p.name not in sliced]
+        return sharded, replicated, [g.shard.grad for g in engine.groups if g.shard.grad is not None]
 
     # ------------------------------------------------------------ checkpoints
+    @property
+    @override
+    def layout(self) -> dict[str, Any]:
+        """Tensor-parallel size, replicas and ZeRO stage (any layout loads the checkpoints)."""
+        return {
+            "strategy": self.strategy_name,
+            "tensor_parallel_size": self.mesh.model_size,
+            "replicas": self.mesh.data_size,
+            "zero_stage": self.zero_stage,
+        }
+
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The whole model's weights in the unparallelized layout (a collective over each tensor-parallel group)."""
@@ -310,14 +442,18 @@ class TensorParallelStrategy(ScratchParallelStrategy):
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """The optimizer's state with each sharded parameter's state tensors gathered to the full shape (a
-        collective over each tensor-parallel group)."""
+        collective over each tensor-parallel group). Under ZeRO the state of this rank's slice is first gathered
+        over the data-parallel group into its first rank, the rank of replica 0 (a collective over each data-parallel
+        group); the other replicas' ranks return no ``"state"``, as they write no file."""
 
         def gather(value: Any, p: Tensor, layer: TensorParallelModule, dim: int) -> Any:
             if isinstance(value, Tensor) and value.shape == p.shape:
-                return unshard(value, dim, layer.group, layer.chunks)
+                return unshard(value.to(p.device), dim, layer.group, layer.chunks)
             return value
 
-        return self._map_state(optimizer, optimizer.state_dict(), gather)
+        engine = self._engine
+        state = stage12_state.full_state_dict(engine) if engine is not None else optimizer.state_dict()
+        return self._map_state(self._state_params(optimizer), state, gather)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -338,14 +474,24 @@ class TensorParallelStrategy(ScratchParallelStrategy):
             return value
 
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
-            optimizer.load_state_dict(self._map_state(optimizer, state, slice_))
+            sliced = self._map_state(self._state_params(optimizer), state, slice_)
+            if self._engine is not None:
+                stage12_state.load_full_state_dict(self._engine, sliced)  # each rank keeps its ZeRO shard of it
+            else:
+                optimizer.load_state_dict(sliced)
         _optimizers_to_device(self.optimizers, self.root_device)
 
-    def _map_state(self, optimizer: Optimizer, state: Mapping[str, Any], fn: Any) -> dict[str, Any]:
-        """``state`` (an optimizer state dict) with ``fn(value, p, layer, dim)`` applied to every state value of each
-        sharded parameter ``p``, in parameter order (the same on every rank); ``state``'s own dicts are not changed
-        (``optimizer.state_dict()`` shares them with the live state)."""
-        params = [p for group in optimizer.param_groups for p in group["params"]]
+    def _state_params(self, optimizer: Optimizer) -> list[Tensor]:
+        """The parameters an unsharded state dict of ``optimizer`` numbers, in order: under ZeRO the module's slices
+        it was built over (its param groups now hold the engine's shards)."""
+        if self._engine is not None:
+            return [p for g in self._engine.groups for p in g.original_params]
+        return [p for group in optimizer.param_groups for p in group["params"]]
+
+    def _map_state(self, params: list[Tensor], state: Mapping[str, Any], fn: Any) -> dict[str, Any]:
+        """``state`` (an optimizer state dict numbering ``params``) with ``fn(value, p, layer, dim)`` applied to every
+        state value of each sharded parameter ``p``, in parameter order (the same on every rank); ``state``'s own
+        dicts are not changed (``optimizer.state_dict()`` shares them with the live state)."""
         per_param = dict(state["state"])
         for index, p in enumerate(params):
             if index in per_param and id(p) in self._shards:

@@ -89,7 +89,28 @@ def _factory(like: Tensor) -> dict[str, Any]:
     return {"device": like.device, "dtype": like.dtype}
 
 
-class ColumnParallelLinear(TensorParallelModule):
+class _ParallelLinear(TensorParallelModule):
+    """What the column- and row-parallel layers share: built from, and gathered back into, an ``nn.Linear``."""
+
+    in_features: int
+    out_features: int
+    bias: nn.Parameter | None
+
+    @classmethod
+    def _from_linear(cls, full: nn.Linear, group: Any, **options: Any) -> Any:
+        """This rank's slice of ``full`` (equal on every rank of ``group``), on its device and dtype; ``full`` is left
+        untouched. ``options``: the layer's own constructor arguments."""
+        layer = cls(
+            full.in_features, full.out_features, full.bias is not None, group=group, **options, **_factory(full.weight)
+        )
+        layer._load_slices(full)
+        return layer
+
+    def _empty_full(self) -> nn.Module:
+        return nn.Linear(self.in_features, self.out_features, self.bias is not None, dtype=self.weight.dtype)
+
+
+class ColumnParallelLinear(_ParallelLinear):
     """A linear layer holding this rank's slice of the output features ([Note: tensor-parallel slices]).
 
     Input: the full (replicated) activation, through Megatron's f (its gradient is summed over the group). Output:
@@ -131,20 +152,7 @@ class ColumnParallelLinear(TensorParallelModule):
     ) -> ColumnParallelLinear:
         """This rank's slice of ``full`` (equal on every rank of ``group``), on its device and dtype; ``full`` is left
         untouched. The other arguments are the constructor's."""
-        layer = cls(
-            full.in_features,
-            full.out_features,
-            full.bias is not None,
-            group=group,
-            gather_output=gather_output,
-            chunks=chunks,
-            **_factory(full.weight),
-        )
-        layer._load_slices(full)
-        return layer
-
-    def _empty_full(self) -> nn.Module:
-        return nn.Linear(self.in_features, self.out_features, self.bias is not None, dtype=self.weight.dtype)
+        return cls._from_linear(full, group, gather_output=gather_output, chunks=chunks)
 
     def forward(self, x: Tensor) -> Tensor:
         y = F.linear(copy_to_parallel_region(x, self.group), self.weight, self.bias)
@@ -161,7 +169,7 @@ class ColumnParallelLinear(TensorParallelModule):
         )
 
 
-class RowParallelLinear(TensorParallelModule):
+class RowParallelLinear(_ParallelLinear):
     """A linear layer holding this rank's slice of the input features ([Note: tensor-parallel slices]).
 
     Input: this rank's slice of the input features (``input_is_parallel=True``, the output of a
@@ -199,19 +207,7 @@ class RowParallelLinear(TensorParallelModule):
     def from_module(cls, full: nn.Linear, group: Any = None, *, input_is_parallel: bool = True) -> RowParallelLinear:
         """This rank's slice of ``full`` (equal on every rank of ``group``), on its device and dtype; ``full`` is left
         untouched. The other arguments are the constructor's."""
-        layer = cls(
-            full.in_features,
-            full.out_features,
-            full.bias is not None,
-            group=group,
-            input_is_parallel=input_is_parallel,
-            **_factory(full.weight),
-        )
-        layer._load_slices(full)
-        return layer
-
-    def _empty_full(self) -> nn.Module:
-        return nn.Linear(self.in_features, self.out_features, self.bias is not None, dtype=self.weight.dtype)
+        return cls._from_linear(full, group, input_is_parallel=input_is_parallel)
 
     def forward(self, x: Tensor) -> Tensor:
         if not self.input_is_parallel:

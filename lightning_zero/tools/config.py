@@ -26,8 +26,6 @@ from omegaconf import DictConfig, OmegaConf
 from lightning_zero.comm.powersgd import compression_config
 from lightning_zero.robust.aggregation import RobustAggregator
 from lightning_zero.robust.engine import check_precision_settings, check_workers
-from lightning_zero.strategies.pipeline import PipelineStrategy
-from lightning_zero.strategies.tensor_parallel import TensorParallelStrategy
 from lightning_zero.training.distributed import START_METHODS
 from lightning_zero.training.mesh import Mesh
 from lightning_zero.training.module_classes import module_classes
@@ -247,7 +245,22 @@ class RobustDDPStrategyConf:
 
 
 @dataclass
-class PipelineStrategyConf:
+class _CheckedByItsStrategy:
+    """The settings of a schema whose strategy's constructor checks its values itself (it builds nothing)."""
+
+    process_group_backend: Optional[str] = None
+    timeout: float = 1800.0
+    start_method: str = "popen"
+
+    def __post_init__(self) -> None:
+        _check_common(self.process_group_backend, self.timeout, self.start_method)
+        settings = {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
+        with _as_config_error():
+            pydoc.locate(self._target_)(**settings)  # type: ignore[attr-defined]
+
+
+@dataclass
+class PipelineStrategyConf(_CheckedByItsStrategy):
     """Schema of ``strategy=pipeline_scratch`` (:class:`lightning_zero.PipelineStrategy`)."""
 
     _target_: str = "lightning_zero.PipelineStrategy"
@@ -257,35 +270,19 @@ class PipelineStrategyConf:
     balance: Optional[list[int]] = None
     stages: Optional[int] = None
     model_init: str = "full"
-    process_group_backend: Optional[str] = None
-    timeout: float = 1800.0
-    start_method: str = "popen"
-
-    def __post_init__(self) -> None:
-        _check_common(self.process_group_backend, self.timeout, self.start_method)
-        settings = {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
-        with _as_config_error():
-            PipelineStrategy(**settings)  # its own checks; builds nothing
 
 
 @dataclass
-class TensorParallelStrategyConf:
-    """Schema of ``strategy=tensor_parallel_scratch`` (:class:`lightning_zero.TensorParallelStrategy`)."""
+class TensorParallelStrategyConf(_CheckedByItsStrategy):
+    """Schema of ``strategy=tensor_parallel_scratch`` (:class:`lightning_zero.TensorParallelStrategy`); the plan's
+    import path is checked too."""
 
     _target_: str = "lightning_zero.TensorParallelStrategy"
     tensor_parallel_size: Optional[int] = None
     plan: Optional[str] = None
     plan_root: str = ""
     bucket_size_mb: float = 25.0
-    process_group_backend: Optional[str] = None
-    timeout: float = 1800.0
-    start_method: str = "popen"
-
-    def __post_init__(self) -> None:
-        _check_common(self.process_group_backend, self.timeout, self.start_method)
-        settings = {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
-        with _as_config_error():
-            TensorParallelStrategy(**settings)  # its own checks (the plan's import path too); builds nothing
+    zero_stage: int = 0
 
 
 SCHEMAS: dict[str, type] = {

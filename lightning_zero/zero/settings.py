@@ -18,7 +18,7 @@ from torch import nn
 from lightning_zero.training.distributed import check_bucket_size
 from lightning_zero.training.module_classes import module_classes
 from lightning_zero.training.precision import DEFAULT, PrecisionPolicy, parse_dtype
-from lightning_zero.zero.hybrid import check_shard_size, new_groups
+from lightning_zero.zero.hybrid import ShardingGroups, check_shard_size, new_groups
 from lightning_zero.zero.stage3.engine import ShardedParams
 from lightning_zero.zero.stage3.materialize import MODEL_INIT_MODES
 from lightning_zero.zero.stage12 import GRAD_SYNC_MODES, ShardedOptimizer, check_grad_reduction
@@ -163,10 +163,12 @@ def build_stage12(
     optimizer: torch.optim.Optimizer,
     *,
     find_unused_parameters: bool,
+    groups: ShardingGroups | None = None,
 ) -> ShardedOptimizer:
-    """The ZeRO-1/2 engine over ``module`` and ``optimizer`` (rebuilt in place over this rank's shards); collective
-    (the hybrid sharding groups are created here)."""
-    groups = new_groups(settings.shard_size)
+    """The ZeRO-1/2 engine over ``module`` and ``optimizer`` (rebuilt in place over this rank's shards); collective.
+    ``groups``: the ranks to shard over, created by the caller (``tensor_parallel_scratch``: the data-parallel group
+    of a mesh); ``None``: those of ``settings.shard_size``, created here (hybrid sharding)."""
+    groups = new_groups(settings.shard_size) if groups is None else groups
     return ShardedOptimizer(
         module,
         optimizer,

@@ -8,10 +8,13 @@ size.
 
 [Note: full optimizer state] The format of the *unsharded* optimizer: ``{"state": {i: {key: tensor shaped like param
 i}}, "param_groups": [{..., "params": [i, ...]}]}`` numbered as the user's original param groups, so it loads into a
-plain optimizer built by the same ``configure_optimizers`` and reshards to any world size. It is built on rank 0
-only, one parameter at a time: each parameter's pieces are reduced into rank 0 (every other rank contributes zeros
-where it owns nothing) and copied to the CPU as they arrive, so no rank holds more than one parameter beyond its own
-state; rank 0 also holds the growing CPU state dict. Loading one copies each rank's pieces straight into its shards.
+plain optimizer built by the same ``configure_optimizers`` and reshards to any world size. It is built on the shard
+group's first rank (its *root*: rank 0 unless the group is a part of the world) only, one parameter at a time: each
+parameter's pieces are reduced into the root (every other rank contributes zeros where it owns nothing) and copied to
+the CPU as they arrive, so no rank holds more than one parameter beyond its own state; the root also holds the growing
+CPU state dict. Shard groups that hold different parameters (the tensor-parallel slices under
+``tensor_parallel_scratch``) each build their own on their root; under hybrid sharding the other shard groups hold the
+same shards as rank 0's and skip it. Loading one copies each rank's pieces straight into its shards.
 """
 
 from __future__ import annotations
@@ -119,24 +122,31 @@ def _numbering(engine: ShardedOptimizer) -> list[list[int]]:
     return numbers
 
 
-def _reduce_to_rank_zero(engine: ShardedOptimizer, g: _FlatGroup, shard_tensor: Tensor, i: int) -> Tensor | None:
-    """Parameter ``i`` of ``g`` in full, from every rank's pieces of ``shard_tensor``: on the CPU of rank 0, ``None``
-    elsewhere (collective over the shard group; under hybrid sharding the other groups hold the same shards and
-    skip it)."""
-    dst = 0 if engine.group is None else dist.get_global_rank(engine.group, 0)
-    if dst != 0:
+def _root(engine: ShardedOptimizer) -> int | None:
+    """The global rank the full state is built on ([Note: full optimizer state]): the shard group's first rank, or
+    ``None`` where the shard group skips it (hybrid sharding, every group but rank 0's)."""
+    root = 0 if engine.group is None else dist.get_global_rank(engine.group, 0)
+    return None if engine.replicate_group is not None and root != 0 else root
+
+
+def _reduce_to_root(engine: ShardedOptimizer, g: _FlatGroup, shard_tensor: Tensor, i: int) -> Tensor | None:
+    """Parameter ``i`` of ``g`` in full, from every rank's pieces of ``shard_tensor``: on the CPU of the root,
+    ``None`` elsewhere (collective over the shard group)."""
+    root = _root(engine)
+    if root is None:
         return None
     p, offset = g.params[i], g.layout.offsets[i]
     full = torch.zeros(p.numel(), dtype=shard_tensor.dtype, device=shard_tensor.device)
     lo, hi = g.layout.owned(engine.rank, offset, offset + p.numel())
     if lo < hi:
         full.narrow(0, lo - offset, hi - lo).copy_(shard_tensor.narrow(0, lo - g.start, hi - lo))
-    comm.reduce(full, dst=0, group=engine.group, tag="state_dict")
-    return full.view_as(p).to("cpu", copy=True) if comm.rank() == 0 else None
+    comm.reduce(full, dst=root, group=engine.group, tag="state_dict")
+    return full.view_as(p).to("cpu", copy=True) if comm.rank() == root else None
 
 
 def full_state_dict(engine: ShardedOptimizer) -> dict[str, Any]:
-    """The unsharded optimizer's state dict on rank 0 (``"state"`` is empty elsewhere); collective."""
+    """The unsharded optimizer's state dict on the shard group's root, rank 0 unless the group is a part of the world
+    ([Note: full optimizer state]; ``"state"`` is empty elsewhere); collective."""
     state: dict[int, dict] = {}
     groups = []
     for g, numbers, hyper in zip(engine.groups, _numbering(engine), hyperparameters(engine.optimizer.param_groups)):
@@ -149,12 +159,12 @@ def full_state_dict(engine: ShardedOptimizer) -> dict[str, Any]:
         index_of = {id(p): i for i, p in enumerate(g.params)}
         for number, p in zip(numbers, g.original_params):
             if id(p) in index_of:
-                per_param = {k: _reduce_to_rank_zero(engine, g, v, index_of[id(p)]) for k, v in elementwise.items()}
+                per_param = {k: _reduce_to_root(engine, g, v, index_of[id(p)]) for k, v in elementwise.items()}
                 # A copy of the scalars per parameter: a plain optimizer that loads this increments each
                 # parameter's ``step`` in place, so one tensor shared by a group would count once per parameter.
                 copies = {k: v.clone() if isinstance(v, Tensor) else v for k, v in scalars.items()}
                 state[number] = {**copies, **per_param}
-    return {"state": state if comm.rank() == 0 else {}, "param_groups": groups}
+    return {"state": state if comm.rank() == _root(engine) else {}, "param_groups": groups}
 
 
 def load_full_state_dict(engine: ShardedOptimizer, state_dict: dict) -> None:

@@ -11,6 +11,11 @@ and Adam would turn their rounding noise, which differs with the summation order
 Ledger of one micro-batch (Shoeybi et al. 2019, section 3; ``tests/tensor_parallel/test_plan.py``): per block two
 activation all-reduces forward and two backward, plus the vocabulary-parallel embedding's forward one, the head's
 backward one and the loss's three: ``4 * layers + 5`` all-reduces tagged ``"tp"``.
+
+``zero_stage`` 1 and 2 ([Note: ZeRO x tensor parallel]) run the same fit with the optimizer state (and stage 2's
+gradients) sharded over the 2 replicas: the reference is the same; the ledger adds the ZeRO engine's parameter
+all-gathers (``"params"``, one per optimizer param group and step) and the norm's data-parallel all-reduce
+(``"grad_norm"``), and the optimizer state per rank halves.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from tests.helpers.workers import run_workers
 
 VOCAB, BLOCK, LAYERS, HEADS, EMBD = 16, 8, 2, 4, 16
 BATCH, BATCHES, EPOCHS, SEED, LR, CLIP = 4, 4, 2, 7, 3e-3, 0.5
+PARAM_GROUPS = 2  # decay and no decay (CharGPTModule.configure_optimizers)
 TP_PER_MICRO_BATCH = 4 * LAYERS + 5
 TP_BYTES_PER_MICRO_BATCH = (4 * LAYERS + 2) * BATCH * BLOCK * EMBD * 4 + 3 * BATCH * BLOCK * 4  # activations + loss
 TOLERANCE = 1e-5
@@ -64,11 +70,13 @@ def make_module(cls: type[CharGPTModule] = CharGPTModule) -> CharGPTModule:
 
 
 def reference(replicas: int, accumulate: int, clip: float | None, epochs: int = EPOCHS) -> dict:
-    """The plain PyTorch run (module docstring): final weights, each replica's loss per step, the global loss."""
+    """The plain PyTorch run (module docstring): final weights, each replica's loss per step, the gradient norm of
+    each optimizer step (before clipping) and the optimizer's final state dict."""
     dataset, net = make_dataset(replicas), make_net()
     decay = [p for p in net.parameters() if p.ndim >= 2]
     optimizer = _adamw([{"params": decay}, {"params": [p for p in net.parameters() if p.ndim < 2], "weight_decay": 0}])
     replica_losses: list[list[float]] = [[] for _ in range(replicas)]
+    norms = []
     for epoch in range(epochs):
         per_replica = []
         for r in range(replicas):
@@ -85,24 +93,28 @@ def reference(replicas: int, accumulate: int, clip: float | None, epochs: int = 
             (torch.stack(losses).mean() / accumulate).backward()
             if (k + 1) % accumulate == 0 or k + 1 == n_batches:
                 if clip is not None:
-                    nn.utils.clip_grad_norm_(net.parameters(), clip)
+                    norms.append(nn.utils.clip_grad_norm_(net.parameters(), clip).item())
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-    return {"weights": {k: v.detach().clone() for k, v in net.state_dict().items()}, "losses": replica_losses}
+    weights = {k: v.detach().clone() for k, v in net.state_dict().items()}
+    return {"weights": weights, "losses": replica_losses, "norms": norms, "optimizer": optimizer.state_dict()}
 
 
 class Recorder(L.Callback):
-    """Each training batch's logged loss and what it communicated."""
+    """Each training batch's logged loss and what it communicated, and the model-state bytes after the last one (the
+    ZeRO engine's gradient pool apart)."""
 
-    TAGS = ("grads", "tp", "tp/grad_norm")
+    TAGS = ("grads", "tp", "tp/grad_norm", "grad_norm")
 
     def __init__(self) -> None:
         self.losses: list[float] = []
         self.ledger: list[dict[str, int]] = []
+        self.memory: dict[str, int] = {}
 
     def _counts(self) -> dict[str, int]:
         return {tag: comm.LEDGER.calls("all_reduce", tag) for tag in self.TAGS} | {
-            "tp bytes": comm.LEDGER.bytes("all_reduce", "tp")
+            "tp bytes": comm.LEDGER.bytes("all_reduce", "tp"),
+            "params": comm.LEDGER.calls("all_gather", "params"),
         }
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
@@ -111,6 +123,10 @@ class Recorder(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.losses.append(trainer.callback_metrics["train/loss"].item())
         self.ledger.append({tag: n - self._start[tag] for tag, n in self._counts().items()})
+        engine = trainer.strategy.engine
+        pool = engine.reducer.buffers if engine is not None and engine.reducer.transient else []
+        pool_bytes = sum(t.untyped_storage().nbytes() for t in pool)
+        self.memory = trainer.strategy.model_state_bytes().as_dict() | {"pool": pool_bytes}
 
 
 def _fit(devices: int, strategy: dict | str, accumulate: int, clip: float | None, module_cls=CharGPTModule) -> dict:
@@ -118,7 +134,10 @@ def _fit(devices: int, strategy: dict | str, accumulate: int, clip: float | None
     L.seed_everything(SEED, verbose=False)
     replicas = devices // (strategy.get("tensor_parallel_size") or devices) if isinstance(strategy, dict) else 1
     strategy = lightning_zero.TensorParallelStrategy(**strategy) if isinstance(strategy, dict) else strategy
-    module, recorder = make_module(module_cls), Recorder()
+    module, recorder, norms = make_module(module_cls), Recorder(), []
+    if isinstance(strategy, lightning_zero.TensorParallelStrategy):  # the global norm of each clipping
+        clip_by = strategy._clip_grad_by_global_norm
+        strategy._clip_grad_by_global_norm = lambda optimizer, value: norms.append(clip_by(optimizer, value).item())
     with torch.no_grad():  # every rank but 0 starts from other weights: the strategy starts from rank 0's
         for p in module.net.parameters():
             p.add_(int(os.environ["RANK"]))
@@ -135,6 +154,8 @@ def _fit(devices: int, strategy: dict | str, accumulate: int, clip: float | None
         "weights": {k: v.detach().clone() for k, v in module.net.state_dict().items()},
         "losses": recorder.losses,
         "ledger": recorder.ledger,
+        "memory": recorder.memory,
+        "norms": norms,
         "sampler": trainer.strategy.distributed_sampler_kwargs,
         "n_head": [block.n_head for block in module.net.blocks],
         "plain": all(type(m) in (nn.Linear, nn.Embedding) for m in (module.net.wte, module.net.head)),
@@ -178,17 +199,84 @@ def test_two_tensor_parallel_ranks_match_single_process_loss_weights_and_validat
         assert metrics["val/ppl"] == pytest.approx(expected_ppl, rel=1e-5)
 
 
-def test_two_replicas_of_two_tensor_parallel_ranks_match_and_communicate_as_theory():
+ZERO_STAGES = (0, 1, 2)
+
+
+def _fit_zero_stages() -> dict[int, dict]:
+    """The 2 replicas x 2 tensor-parallel ranks fit (accumulate 2, clipping) under each ``zero_stage``, in one worker
+    lifetime."""
     strategy = {"tensor_parallel_size": 2, "plan": "lightning_zero.tensor_parallel.GPT_PLAN", "plan_root": "net"}
-    results = run_workers(_fit, 4, 4, strategy, 2, CLIP, timeout=180)
-    _check_fit(results, replicas=2, accumulate=2, clip=CLIP)
+    return {stage: _fit(4, {**strategy, "zero_stage": stage}, 2, CLIP) for stage in ZERO_STAGES}
+
+
+@pytest.fixture(scope="module")
+def zero_stage_fits() -> dict[int, list[dict]]:
+    """Each ``zero_stage``'s results, by rank."""
+    per_rank = run_workers(_fit_zero_stages, 4, timeout=240)
+    return {stage: [result[stage] for result in per_rank] for stage in ZERO_STAGES}
+
+
+def _window(grads: list[int], params: int, data_norm: int) -> list[dict[str, int]]:
+    """The ledger of one accumulation window of 2 micro-batches: the data-parallel gradient all-reduces of each,
+    then at the boundary ``params`` all-gathers, the norm's data-parallel all-reduces and one tensor-parallel one."""
     tp = {"tp": TP_PER_MICRO_BATCH, "tp bytes": TP_BYTES_PER_MICRO_BATCH}
-    window = [
-        {"grads": 0, "tp/grad_norm": 0, **tp},  # non-boundary: no data-parallel communication
-        {"grads": 1, "tp/grad_norm": 1, **tp},  # boundary: one bucket, one norm all-reduce
+    last = {"params": params, "grad_norm": data_norm, "tp/grad_norm": 1}
+    return [
+        {"grads": grads[0], "params": 0, "grad_norm": 0, "tp/grad_norm": 0, **tp},
+        {"grads": grads[1], **last, **tp},
     ]
+
+
+def test_two_replicas_of_two_tensor_parallel_ranks_match_and_communicate_as_theory(zero_stage_fits):
+    results = zero_stage_fits[0]
+    _check_fit(results, replicas=2, accumulate=2, clip=CLIP)
+    window = _window([0, 1], params=0, data_norm=0)  # non-boundary: nothing; boundary: one bucket, one norm
     for result in results:
         assert result["ledger"] == window * (BATCHES // 2) * EPOCHS
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_stages_match_the_reference_and_zero_stage_0(zero_stage_fits, stage):
+    worst = _check_fit(zero_stage_fits[stage], replicas=2, accumulate=2, clip=CLIP)
+    assert worst < TOLERANCE
+    for plain, sharded in zip(zero_stage_fits[0], zero_stage_fits[stage]):
+        assert max_abs_diff(sharded["weights"], plain["weights"]) < 1e-6
+
+
+def test_zero_stages_clip_by_the_one_process_global_norm(zero_stage_fits):
+    expected = reference(2, 2, CLIP)["norms"]
+    assert max(expected) > CLIP  # the clipping scales the gradients
+    for stage in ZERO_STAGES:
+        for result in zero_stage_fits[stage]:
+            assert result["norms"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_zero_stages_communicate_only_at_the_boundary_or_every_micro_batch(zero_stage_fits):
+    """Stage 1 (``grad_sync="boundary"``) reduces nothing over the data-parallel group on non-boundary micro-batches;
+    stage 2 (``"microbatch"``) reduces each. One bucket per param group (25 MiB cap), one all-gather per group."""
+    expected = {
+        1: _window([0, PARAM_GROUPS], params=PARAM_GROUPS, data_norm=1),
+        2: _window([PARAM_GROUPS, PARAM_GROUPS], params=PARAM_GROUPS, data_norm=1),
+    }
+    for stage, window in expected.items():
+        for result in zero_stage_fits[stage]:
+            assert result["ledger"] == window * (BATCHES // 2) * EPOCHS
+
+
+def test_zero_stages_halve_the_optimizer_state_and_stage_2_the_gradients(zero_stage_fits):
+    """Per rank, after the last step: the optimizer state of the tensor-parallel slice is split over the 2 replicas
+    (both stages), the gradient storage too under stage 2 (its two-bucket pool apart, a constant); parameters stay.
+    The tolerance covers the flat groups' padding and AdamW's per-parameter ``step`` scalars under zero_stage=0."""
+
+    def gradients(memory: dict[str, int]) -> int:
+        return memory["grads"] + memory["strategy_buffers"] - memory["pool"]
+
+    for rank, plain in enumerate(zero_stage_fits[0]):
+        for stage, grad_ratio in ((1, 1.0), (2, 0.5)):
+            memory, base = zero_stage_fits[stage][rank]["memory"], plain["memory"]
+            assert memory["optimizer"] / base["optimizer"] == pytest.approx(0.5, abs=0.01), (stage, rank)
+            assert gradients(memory) / gradients(base) == pytest.approx(grad_ratio, abs=0.01), (stage, rank)
+            assert memory["params"] / base["params"] == pytest.approx(1.0, abs=0.01), (stage, rank)
 
 
 class PlainLossModule(CharGPTModule):
@@ -213,13 +301,15 @@ def test_registered_name_with_the_module_plan_and_a_gathered_head():
 
 
 # ---------------------------------------------------------------- checkpoints
-def _save_and_resume(directory: str) -> dict:
+def _save_and_resume(directory: str, replicas: int, zero_stage: int) -> dict:
+    """Fit 1 epoch and save, resume for a second, and fit 2 epochs straight, on ``replicas`` x 2 ranks."""
+
     def run(epochs: int, ckpt_path: str | None) -> dict[str, torch.Tensor]:
         L.seed_everything(SEED, verbose=False)
         module = make_module()
-        strategy = lightning_zero.TensorParallelStrategy(plan=GPT_PLAN, plan_root="net")
-        trainer = quiet_trainer(strategy, devices=2, max_epochs=epochs, gradient_clip_val=CLIP)
-        trainer.fit(module, DataLoader(make_dataset(1), batch_size=BATCH), ckpt_path=ckpt_path)
+        strategy = lightning_zero.TensorParallelStrategy(2, GPT_PLAN, plan_root="net", zero_stage=zero_stage)
+        trainer = quiet_trainer(strategy, devices=2 * replicas, max_epochs=epochs, gradient_clip_val=CLIP)
+        trainer.fit(module, DataLoader(make_dataset(replicas), batch_size=BATCH), ckpt_path=ckpt_path)
         if epochs == 1:
             trainer.save_checkpoint(f"{directory}/epoch1.ckpt")
         return {k: v.detach().clone() for k, v in module.net.state_dict().items()}
@@ -228,21 +318,34 @@ def _save_and_resume(directory: str) -> dict:
     return {"resumed": run(2, f"{directory}/epoch1.ckpt"), "straight": run(2, None)}
 
 
-def test_checkpoint_is_the_whole_unparallelized_model_and_resumes_bit_identically(tmp_path):
-    for result in run_workers(_save_and_resume, 2, str(tmp_path), timeout=180):
+@pytest.mark.parametrize(
+    "replicas, zero_stage",
+    [(1, 0), pytest.param(2, 2, id="zero_stage=2")],
+)
+def test_checkpoint_is_the_whole_unparallelized_model_and_resumes_bit_identically(tmp_path, replicas, zero_stage):
+    """Under ZeRO the file holds the unsharded optimizer state too: the one-process AdamW's after the same epoch."""
+    for result in run_workers(_save_and_resume, 2 * replicas, str(tmp_path), replicas, zero_stage, timeout=180):
         assert max_abs_diff(result["resumed"], result["straight"]) == 0.0
     checkpoint = torch.load(tmp_path / "epoch1.ckpt", weights_only=False)
+    layout = {"tensor_parallel_size": 2, "replicas": replicas, "zero_stage": zero_stage}
+    assert checkpoint["parallel_layout"] == {"strategy": "tensor_parallel_scratch", **layout}
     plain = make_net()
     shapes = {f"net.{k}": v.shape for k, v in plain.state_dict().items()}
     assert {k: v.shape for k, v in checkpoint["state_dict"].items()} == shapes
     plain.load_state_dict({k.removeprefix("net."): v for k, v in checkpoint["state_dict"].items()})
-    expected = reference(1, 1, CLIP, epochs=1)["weights"]  # the file holds the trained weights, not a slice
-    assert max_abs_diff(plain.state_dict(), expected) < TOLERANCE
+    expected = reference(replicas, 1, CLIP, epochs=1)  # the file holds the trained weights, not a slice
+    assert max_abs_diff(plain.state_dict(), expected["weights"]) < TOLERANCE
     decay = [p for p in plain.parameters() if p.ndim >= 2]
     optimizer = _adamw([{"params": decay}, {"params": [p for p in plain.parameters() if p.ndim < 2]}])
     optimizer.load_state_dict(checkpoint["optimizer_states"][0])  # the plain model's optimizer takes it
     for p in plain.parameters():
         assert optimizer.state[p]["exp_avg"].shape == optimizer.state[p]["exp_avg_sq"].shape == p.shape
+    saved, one_process = checkpoint["optimizer_states"][0]["state"], expected["optimizer"]["state"]
+    assert saved.keys() == one_process.keys()
+    for index, state in saved.items():
+        assert int(state["step"]) == int(one_process[index]["step"])
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert (state[key] - one_process[index][key]).abs().max() < TOLERANCE, (index, key)
 
 
 # ---------------------------------------------------------------- refusals
@@ -259,6 +362,11 @@ def test_settings_it_cannot_run_are_refused():
         lightning_zero.TensorParallelStrategy(plan="lightning_zero.NO_PLAN")
     with pytest.raises(ValueError, match="tensor_parallel_size=0 is invalid: expected an integer >= 1"):
         lightning_zero.TensorParallelStrategy(tensor_parallel_size=0)
+    for zero_stage in (4, -1, True, "2"):
+        with pytest.raises(ValueError, match=rf"zero_stage={zero_stage!r} is invalid: expected 0, 1 or 2"):
+            lightning_zero.TensorParallelStrategy(plan=GPT_PLAN, zero_stage=zero_stage)
+    with pytest.raises(ValueError, match="zero_stage=3 is not supported yet by tensor_parallel_scratch"):
+        lightning_zero.TensorParallelStrategy(plan=GPT_PLAN, zero_stage=3)
 
 
 class NoPlanModule(CharGPTModule):
