@@ -364,7 +364,7 @@ def test_lightning_boring_model_trains_as_under_lightning_ddp():
 
 
 # ---------------------------------------------------------------- launchers
-@pytest.mark.parametrize("name", ["pipeline_scratch", "pipeline_scratch_spawn"])
+@pytest.mark.parametrize("name", ["pipeline_scratch", pytest.param("pipeline_scratch_spawn", marks=pytest.mark.slow)])
 def test_launched_as_a_script(tmp_path, name):
     """Lightning's popen launcher (the script re-run for rank 1) and the spawn launcher (rank 0's weights back in the
     launching process, whole after the fit)."""

@@ -411,6 +411,7 @@ def test_cli_lists_only_the_strategies_as_options(tmp_path: Path) -> None:
     assert not run_dir.exists()  # refused while composing, before Hydra creates the run dir
 
 
+@pytest.mark.slow  # 30 s; the pipeline's Hydra config is composed and validated in the default run
 @pytest.mark.timeout(120)
 def test_cli_digits_pipeline_trains_and_both_stages_report_the_same_metrics(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
