@@ -18,13 +18,18 @@ from torch import Tensor, nn
 from lightning_zero.comm import collectives as comm
 
 
+def relocate(p: nn.Parameter, device: torch.device | str) -> None:
+    """Give ``p`` new, uninitialised storage on ``device`` (``"meta"``: none), keeping the ``Parameter`` object, so
+    the optimizer's and the module's references hold."""
+    torch.utils.swap_tensors(p, nn.Parameter(torch.empty_like(p, device=device), p.requires_grad))
+
+
 def to_meta(module: nn.Module) -> None:
-    """Replace ``module``'s parameters and buffers by meta-device placeholders (the ``Parameter`` objects stay, so
-    the optimizer's references hold)."""
+    """Replace ``module``'s parameters and buffers by meta-device placeholders."""
     for m in module.modules():
         for p in m._parameters.values():
             if p is not None and not p.is_meta:
-                torch.utils.swap_tensors(p, nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad))
+                relocate(p, "meta")
         for name, b in m._buffers.items():
             if b is not None and not b.is_meta:
                 m._buffers[name] = b.to("meta")
@@ -51,7 +56,7 @@ def gather_layers(
             for m in layer.modules():
                 for p in m._parameters.values():
                     if p is not None and p.is_meta:
-                        torch.utils.swap_tensors(p, nn.Parameter(torch.empty_like(p, device=device), p.requires_grad))
+                        relocate(p, device)
                 for name, b in m._buffers.items():
                     if b is not None and b.is_meta:
                         m._buffers[name] = torch.empty_like(b, device=device)

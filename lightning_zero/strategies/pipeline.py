@@ -254,7 +254,7 @@ class PipelineStrategy(ScratchParallelStrategy):
             own = {id(p) for i in mine for p in layers[i].parameters()}
             build_meta_modules(
                 module,
-                lambda p: None if id(p) in own else placement.to_meta(_holder(p)),
+                lambda p: None if id(p) in own else placement.relocate(p, "meta"),
                 self.root_device,
                 self._init_rng_state,
             )
@@ -484,13 +484,6 @@ class PipelineStrategy(ScratchParallelStrategy):
     def model_state_params(self) -> list[Tensor]:
         """This stage's parameters (the placeholders hold no memory)."""
         return [p for p in super().model_state_params() if not p.is_meta]
-
-
-def _holder(p: nn.Parameter) -> nn.Module:
-    """A throwaway module holding ``p``, so :func:`placement.to_meta` can swap it."""
-    holder = nn.Module()
-    holder.register_parameter("p", p)
-    return holder
 
 
 @contextmanager
