@@ -88,23 +88,15 @@ from lightning_zero.pipeline.outputs import LogRecorder, combine_logs, concatena
 from lightning_zero.pipeline.runtime import PipelineStage
 from lightning_zero.pipeline.schedule import SCHEDULES, Action, build, check_pipeline
 from lightning_zero.pipeline.stages import check_parameters, partition, split_batch
-from lightning_zero.strategies.base import ScratchParallelStrategy
+from lightning_zero.strategies.model_parallel import ModelParallelStrategy
 from lightning_zero.training.distributed import PIPELINE_NAMES
-from lightning_zero.training.mesh import Mesh, MeshGroups, new_groups
+from lightning_zero.training.mesh import new_groups
 from lightning_zero.zero.stage3.materialize import build_meta_modules, has_meta_tensors, rng_state
 
 MODEL_INITS = ("full", "meta")
-_DATA_PARALLEL_SETTINGS = (
-    "find_unused_parameters",
-    "param_dtype",
-    "reduce_dtype",
-    "master_weights",
-    "cast_module",
-    "activation_checkpointing_policy",
-)
 
 
-class PipelineStrategy(ScratchParallelStrategy):
+class PipelineStrategy(ModelParallelStrategy):
     """Pipeline parallelism over ``devices`` stages (see the module docstring).
 
     Args:
@@ -127,6 +119,7 @@ class PipelineStrategy(ScratchParallelStrategy):
 
     strategy_name = "pipeline_scratch"
     registered_names = PIPELINE_NAMES
+    size_setting = "stages"
 
     def __init__(
         self,
@@ -138,9 +131,6 @@ class PipelineStrategy(ScratchParallelStrategy):
         stages: int | None = None,
         **kwargs: Any,
     ) -> None:
-        refused = sorted(set(kwargs) & set(_DATA_PARALLEL_SETTINGS))
-        if refused:
-            raise ValueError(f"pipeline_scratch does not take {refused}: they are data-parallel settings")
         check_pipeline(1, micro_batches)
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule={schedule!r} is invalid: expected one of {SCHEDULES}")
@@ -155,39 +145,20 @@ class PipelineStrategy(ScratchParallelStrategy):
         self.balance = list(balance) if balance is not None else None
         self.model_init, self.stages = model_init, stages
         self.stage: PipelineStage | None = None
-        self.groups: MeshGroups | None = None
         self._slices: list[range] = []
         self._init_rng_state: dict[str, Tensor] | None = None
         self._step_grads: list[tuple[Tensor, Tensor | None]] = []
 
     @property
-    def mesh(self) -> Mesh:
-        """Replicas x stages ([Note: data parallel x pipeline])."""
-        return Mesh(self.world_size, self.stages or self.world_size, name="stages")
-
-    @property
     @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """The stages of one replica read the same batches; the replicas read disjoint ones, as ``ddp``'s ranks."""
-        replica, _ = self.mesh.coordinates(self.global_rank)
-        return {"num_replicas": self.mesh.data_size, "rank": replica}
+    def model_parallel_size(self) -> int | None:
+        """Ranks per pipeline, ``stages`` ([Note: data parallel x pipeline])."""
+        return self.stages
 
     @override
     def _check_before_launch(self) -> None:
         super()._check_before_launch()
-        if self._lightning_precision() in ("16-mixed", "16"):
-            raise ValueError(
-                "pipeline_scratch does not run precision='16-mixed': its loss scaler would have to scale the backward"
-                " the pipeline runs itself; use 'bf16-mixed', 'bf16-true' or '32-true'"
-            )
-        if self._layer_sync is not None:
-            raise ValueError(
-                "pipeline_scratch does not take sync_batchnorm=True: the layer sync would run over every rank, the"
-                " other stages included"
-            )
         world = self.num_processes * self.num_nodes
-        if world:
-            Mesh(world, self.stages or world, name="stages")  # stages must divide the world size
         stages = self.stages or world
         if self.balance is not None and len(self.balance) != stages:
             raise ValueError(

@@ -110,7 +110,7 @@ from typing_extensions import override
 
 from lightning_zero.comm import collectives as comm
 from lightning_zero.dp.reducer import GradientReducer
-from lightning_zero.strategies.base import ScratchParallelStrategy
+from lightning_zero.strategies.model_parallel import ModelParallelStrategy
 from lightning_zero.tensor_parallel import (
     Style,
     full_state_dict,
@@ -123,7 +123,7 @@ from lightning_zero.tensor_parallel import (
 )
 from lightning_zero.tensor_parallel.layers import TensorParallelModule
 from lightning_zero.training.distributed import TENSOR_PARALLEL_NAMES, check_bucket_size
-from lightning_zero.training.mesh import Mesh, MeshGroups, new_groups
+from lightning_zero.training.mesh import new_groups
 from lightning_zero.training.precision import PrecisionPolicy
 from lightning_zero.zero import stage12_state
 from lightning_zero.zero.grad_norm import shard_grad_norms
@@ -136,20 +136,11 @@ PLAN_ATTRIBUTE = "tensor_parallel_plan"
 GROUP_ATTRIBUTE = "tensor_parallel_group"
 """The LightningModule attribute the strategy sets to the tensor-parallel process group while the module is
 parallelized."""
-_DATA_PARALLEL_SETTINGS = (
-    "find_unused_parameters",
-    "broadcast_buffers",
-    "param_dtype",
-    "reduce_dtype",
-    "master_weights",
-    "cast_module",
-    "activation_checkpointing_policy",
-)
 
 _Shards = dict[int, tuple[TensorParallelModule, int]]  # id(parameter) -> (its layer, the dimension it is split along)
 
 
-class TensorParallelStrategy(ScratchParallelStrategy):
+class TensorParallelStrategy(ModelParallelStrategy):
     """Tensor parallelism within groups of ``tensor_parallel_size`` ranks, data parallelism across them (see the
     module docstring).
 
@@ -169,6 +160,8 @@ class TensorParallelStrategy(ScratchParallelStrategy):
 
     strategy_name = "tensor_parallel_scratch"
     registered_names = TENSOR_PARALLEL_NAMES
+    size_setting = "tensor_parallel_size"
+    broadcasts_buffers = False  # buffers with several replicas are refused (_check_buffers)
 
     def __init__(
         self,
@@ -179,9 +172,6 @@ class TensorParallelStrategy(ScratchParallelStrategy):
         zero_stage: int = 0,
         **kwargs: Any,
     ) -> None:
-        refused = sorted(set(kwargs) & set(_DATA_PARALLEL_SETTINGS))
-        if refused:
-            raise ValueError(f"tensor_parallel_scratch does not take {refused}: data-parallel settings it does not run")
         size = tensor_parallel_size
         if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
             raise ValueError(
@@ -198,12 +188,11 @@ class TensorParallelStrategy(ScratchParallelStrategy):
                 "zero_stage=3 is not supported yet by tensor_parallel_scratch: it would shard the tensor-parallel"
                 " slices themselves over the data-parallel group; use zero_stage=1 or 2"
             )
-        super().__init__(broadcast_buffers=False, **kwargs)
+        super().__init__(**kwargs)
         self.tensor_parallel_size, self.plan_root, self.bucket_size_mb = tensor_parallel_size, plan_root, bucket_size_mb
         self.plan = _resolve(plan) if plan is not None else None
         self.zero_stage = zero_stage
         self._zero = ZeroSettings.check(stage=zero_stage, bucket_size_mb=bucket_size_mb) if zero_stage else None
-        self.groups: MeshGroups | None = None
         self._applied: dict[str, Style] | None = None  # the plan parallelizing the module now
         self._shards: _Shards = {}  # of the parameters the optimizers were built over
         self._reducer: GradientReducer | None = None  # zero_stage=0
@@ -211,22 +200,16 @@ class TensorParallelStrategy(ScratchParallelStrategy):
         self._failed = False
 
     @property
-    def mesh(self) -> Mesh:
-        """Replicas x tensor-parallel ranks ([Note: tensor parallel x data parallel])."""
-        return Mesh(self.world_size, self.tensor_parallel_size or self.world_size, name="tensor_parallel_size")
+    @override
+    def model_parallel_size(self) -> int | None:
+        """Ranks per tensor-parallel group ([Note: tensor parallel x data parallel])."""
+        return self.tensor_parallel_size
 
     @property
     def tensor_parallel_group(self) -> Any:
         """This rank's tensor-parallel process group (a group object, the world's when it is every rank)."""
         assert self.groups is not None, "setup() creates the groups"
         return self.groups.model_group if self.groups.model_group is not None else dist.group.WORLD
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """The ranks of a replica read the same batches; the replicas read disjoint ones, as ``ddp``'s ranks."""
-        replica, _ = self.mesh.coordinates(self.global_rank)
-        return {"num_replicas": self.mesh.data_size, "rank": replica}
 
     @property
     def reducer(self) -> GradientReducer | None:
@@ -252,20 +235,6 @@ class TensorParallelStrategy(ScratchParallelStrategy):
     def model_state_params(self) -> list[Tensor]:
         """The module's parameters plus the ZeRO engine's shard parameters (which the optimizer steps)."""
         return super().model_state_params() + (list(self._engine.shard_params) if self._engine is not None else [])
-
-    @override
-    def _check_before_launch(self) -> None:
-        super()._check_before_launch()
-        if self._lightning_precision() in ("16-mixed", "16"):
-            raise ValueError(
-                "tensor_parallel_scratch does not run precision='16-mixed': its loss scaler's inf/NaN check would have"
-                " to span the tensor-parallel slices; use 'bf16-mixed', 'bf16-true' or '32-true'"
-            )
-        if self._layer_sync is not None:
-            raise ValueError("tensor_parallel_scratch does not take sync_batchnorm=True")
-        world = self.num_processes * self.num_nodes
-        if world:
-            Mesh(world, self.tensor_parallel_size or world, name="tensor_parallel_size")  # a divisor of the world
 
     # ------------------------------------------------------------ setup and teardown
     def _module_plan(self, module: pl.LightningModule) -> dict[str, Style]:
