@@ -161,6 +161,11 @@ def rank(group: Any = None) -> int:
     return dist.get_rank(group) if is_initialized() else 0
 
 
+def global_rank(group_rank: int, group: Any = None) -> int:
+    """The global rank of ``group``'s rank ``group_rank`` (the ``src``/``dst`` our collectives take)."""
+    return group_rank if group is None else dist.get_global_rank(group, group_rank)
+
+
 def uses_gloo_substitutes(nbytes: int, group: Any = None) -> bool:
     """Whether a reduce-scatter/all-gather moving ``nbytes`` uses the gloo substitutes (see the module docstring)."""
     return nbytes >= GLOO_SUBSTITUTE_MIN_BYTES and dist.get_backend(group) == "gloo"

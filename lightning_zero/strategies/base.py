@@ -290,17 +290,27 @@ class ScratchParallelStrategy(DistributedPlumbing, ParallelStrategy):
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         with self._buffer_sync():
-            return super().validation_step(*args, **kwargs)
+            output = super().validation_step(*args, **kwargs)
+        self._after_forward_only()
+        return output
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         with self._buffer_sync():
-            return super().test_step(*args, **kwargs)
+            output = super().test_step(*args, **kwargs)
+        self._after_forward_only()
+        return output
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         with self._buffer_sync():
-            return super().predict_step(*args, **kwargs)
+            output = super().predict_step(*args, **kwargs)
+        self._after_forward_only()
+        return output
+
+    def _after_forward_only(self) -> None:
+        """After a validation, test or predict step (subclasses: free what a forward without backward left
+        gathered)."""
 
     # ------------------------------------------------------------ parameters unfrozen (or frozen) during a fit
     def _record_trainable(self) -> None:

@@ -11,7 +11,8 @@ Runbook::
     trainer = Trainer(accelerator="cpu", devices=4, strategy=strategy)  # 2 data replicas x 2 tensor-parallel ranks
     trainer.fit(module, datamodule)
 
-    # ZeRO over the data-parallel dimension: each replica keeps half of its slice's optimizer state (and gradients)
+    # ZeRO over the data-parallel dimension: each replica keeps half of its slice's optimizer state (and gradients;
+    # zero_stage=3: and parameters)
     strategy = lightning_zero.TensorParallelStrategy(
         tensor_parallel_size=2, plan=GPT_PLAN, plan_root="net", zero_stage=2
     )
@@ -68,11 +69,19 @@ over the *parallelized* module with the data-parallel group ``(*, i)`` as its sh
   (``grad_sync="boundary"``); stage 2 reduces every micro-batch and keeps only the shard's gradient (4Ψ_i / replicas)
   plus two buckets' pool ([Note: tensor roles] in ``lightning_zero/zero/stage12.py``).
 
+``zero_stage=3`` shards the slices themselves: the ZeRO-3 engine of :mod:`lightning_zero.zero.stage3.engine`
+(:class:`~lightning_zero.zero.stage3.engine.ShardedParams`) is built over the parallelized module with the data group
+as its shard group, before the optimizer. A *module parameter* of rank ``(r, i)`` is then a placeholder of slice
+``i``'s local shape; before a unit's forward (and again before its backward) the engine all-gathers its *ZeRO shards*
+over the data group ``(*, i)`` into the *unsharded flat*, so the tensor-parallel layer computes with its whole slice,
+and the slice's gradients are reduce-scattered into each replica's shard: parameters, gradients and optimizer state of
+the slice cost 1 / replicas each (4Ψ_i + 4Ψ_i + 8Ψ_i over replicas). Its gather-sequence check needs a gloo group per
+data group, created on every rank (``new_data_groups``), as ``torch.distributed.new_group`` requires.
+
 Nothing crosses the tensor-parallel group but the activations, the loss and the norm: ZeRO's reductions and
 all-gathers run over the data group only, and a slice's flat layout is the same on every rank holding it. Checkpoints
 gather each state tensor over the data group first (to replica 0) and then over the tensor-parallel group, so the file
-is the same as with ``zero_stage=0``. ``zero_stage=3`` is not supported yet; with one replica there is nothing to
-shard and ``zero_stage`` changes nothing.
+is the same as with ``zero_stage=0``. With one replica there is nothing to shard and ``zero_stage`` changes nothing.
 
 **Checkpoints** are Lightning's plain files of the whole model in the unparallelized layout (rank 0 writes them): the
 weights are gathered with :func:`full_state_dict` and each optimizer state tensor of a parameter's local shape (AdamW's
@@ -87,7 +96,7 @@ use it, save it or hand it to another Trainer as it was. A run that failed leave
 wait forever on a dead peer).
 
 Not supported (refused with an error): ``16-mixed`` (its loss scaler's inf check would have to span the groups),
-``sync_batchnorm`` and the data-parallel settings (``find_unused_parameters``, ``param_dtype``, ...), ``zero_stage=3``,
+``sync_batchnorm`` and the data-parallel settings (``find_unused_parameters``, ``param_dtype``, ...),
 buffers with several data replicas (they are not synchronised across replicas). Dropout draws its masks per rank, so it
 differs from the one-process model's ([Note: parallelize plan] in ``lightning_zero/tensor_parallel/plan.py``).
 """
@@ -123,12 +132,14 @@ from lightning_zero.tensor_parallel import (
 )
 from lightning_zero.tensor_parallel.layers import TensorParallelModule
 from lightning_zero.training.distributed import TENSOR_PARALLEL_NAMES, check_bucket_size
-from lightning_zero.training.mesh import new_groups
+from lightning_zero.training.mesh import new_data_groups, new_groups
 from lightning_zero.training.precision import PrecisionPolicy
 from lightning_zero.zero import stage12_state
 from lightning_zero.zero.grad_norm import shard_grad_norms
 from lightning_zero.zero.hybrid import ShardingGroups
-from lightning_zero.zero.settings import ZeroSettings, build_stage12
+from lightning_zero.zero.settings import ZeroSettings, build_stage3, build_stage12
+from lightning_zero.zero.stage3 import state as sp_state
+from lightning_zero.zero.stage3.engine import ShardedParams
 from lightning_zero.zero.stage12 import ShardedOptimizer
 
 PLAN_ATTRIBUTE = "tensor_parallel_plan"
@@ -151,9 +162,9 @@ class TensorParallelStrategy(ModelParallelStrategy):
             path of such a mapping; ``None``: the LightningModule's ``tensor_parallel_plan``.
         plan_root: the submodule ``plan``'s keys are relative to (``"net"``); ``""``: the LightningModule.
         bucket_size_mb: cap of one data-parallel gradient bucket in MiB (> 0).
-        zero_stage: how the data-parallel dimension keeps the optimizer: 0 (every replica holds its slice's whole
-            optimizer state, gradients averaged as by ``ddp``), 1 (the state sharded over the data-parallel group) or
-            2 (and the gradients); see [Note: ZeRO x tensor parallel].
+        zero_stage: how the data-parallel dimension keeps the model states: 0 (every replica holds its slice's
+            whole optimizer state, gradients averaged as by ``ddp``), 1 (the state sharded over the data-parallel
+            group), 2 (and the gradients) or 3 (and the parameters); see [Note: ZeRO x tensor parallel].
         **kwargs: ``process_group_backend``, ``timeout``, ``start_method`` (see
             :class:`~lightning_zero.strategies.base.ScratchParallelStrategy`).
     """
@@ -182,12 +193,7 @@ class TensorParallelStrategy(ModelParallelStrategy):
             raise ValueError(f"plan_root={plan_root!r} is invalid: expected a submodule name such as 'net', or ''")
         check_bucket_size(bucket_size_mb)
         if type(zero_stage) is not int or zero_stage not in (0, 1, 2, 3):
-            raise ValueError(f"zero_stage={zero_stage!r} is invalid: expected 0, 1 or 2")
-        if zero_stage == 3:
-            raise ValueError(
-                "zero_stage=3 is not supported yet by tensor_parallel_scratch: it would shard the tensor-parallel"
-                " slices themselves over the data-parallel group; use zero_stage=1 or 2"
-            )
+            raise ValueError(f"zero_stage={zero_stage!r} is invalid: expected 0, 1, 2 or 3")
         super().__init__(**kwargs)
         self.tensor_parallel_size, self.plan_root, self.bucket_size_mb = tensor_parallel_size, plan_root, bucket_size_mb
         self.plan = _resolve(plan) if plan is not None else None
@@ -196,7 +202,7 @@ class TensorParallelStrategy(ModelParallelStrategy):
         self._applied: dict[str, Style] | None = None  # the plan parallelizing the module now
         self._shards: _Shards = {}  # of the parameters the optimizers were built over
         self._reducer: GradientReducer | None = None  # zero_stage=0
-        self._engine: ShardedOptimizer | None = None  # zero_stage 1 and 2; kept after the fit for save_checkpoint
+        self._engine: ShardedOptimizer | ShardedParams | None = None  # zero_stage 1-3; kept after the fit
         self._failed = False
 
     @property
@@ -217,9 +223,9 @@ class TensorParallelStrategy(ModelParallelStrategy):
         return self._reducer
 
     @property
-    def engine(self) -> ShardedOptimizer | None:
-        """The ZeRO engine over the data-parallel group (``zero_stage`` 1 or 2, several replicas) of the current or
-        last fit, else ``None``."""
+    def engine(self) -> ShardedOptimizer | ShardedParams | None:
+        """The ZeRO engine over the data-parallel group (``zero_stage`` 1, 2 or 3, several replicas) of the current
+        or last fit, else ``None``."""
         return self._engine
 
     @property
@@ -274,9 +280,11 @@ class TensorParallelStrategy(ModelParallelStrategy):
                     module, bucket_cap_bytes=int(self.bucket_size_mb * 2**20), group=self.groups.data_group
                 )
             self._record_trainable()
+            self._engine = self._shard_params(module) if replicated and self.zero_stage == 3 else None
             self.setup_optimizers(trainer)
             _optimizers_to_device(self.optimizers, self.root_device)
-            self._engine = self._shard_optimizer(module) if replicated and self._zero is not None else None
+            if replicated and self._zero is not None:
+                self._engine = self._shard_optimizer(module)
             self._shards = {
                 id(getattr(layer, key.rpartition(".")[2])): (layer, dim)
                 for key, (layer, dim) in sharded_entries(module).items()
@@ -284,15 +292,35 @@ class TensorParallelStrategy(ModelParallelStrategy):
             self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm  # type: ignore[method-assign]
         self.setup_precision_plugin()
 
-    def _shard_optimizer(self, module: nn.Module) -> ShardedOptimizer:
+    def _shard_params(self, module: nn.Module) -> ShardedParams:
+        """ZeRO-3 over the data-parallel group ([Note: ZeRO x tensor parallel]): the parallelized module's parameters
+        (this rank's slices and the replicated ones) sharded per unit, before the optimizer is built over them."""
+        assert self._zero is not None and self.groups is not None
+        # The gather-sequence check's gloo groups: every rank creates every slice's ([Note: gather sequence check]).
+        check = new_data_groups(self.mesh, self.groups.index, backend="gloo", timeout=self._timeout)
+        return build_stage3(
+            self._zero,
+            PrecisionPolicy(),
+            module,
+            device=self.root_device,
+            timeout=self._timeout,
+            find_unused_parameters=False,
+            groups=ShardingGroups(shard=self.groups.data_group, check=check),
+        )
+
+    def _shard_optimizer(self, module: nn.Module) -> ShardedOptimizer | ShardedParams:
         """The optimizer sharded over the data-parallel group ([Note: ZeRO x tensor parallel]), over the parallelized
-        module: its flat groups hold this rank's tensor-parallel slices."""
+        module: its flat groups hold this rank's tensor-parallel slices (ZeRO-3: attached to :meth:`_shard_params`'
+        engine)."""
         assert self._zero is not None and self.groups is not None
         if len(self.optimizers) != 1:
             raise ValueError(
                 f"zero_stage={self.zero_stage} shards one optimizer over the data-parallel group: configure_optimizers"
                 f" returned {len(self.optimizers)}; combine them into one optimizer with several param groups"
             )
+        if isinstance(self._engine, ShardedParams):
+            self._engine.attach_optimizer(self.optimizers[0])
+            return self._engine
         # The module's own dtypes throughout (no master copies, reductions in the gradients' dtype), as zero_stage=0.
         return build_stage12(
             self._zero,
@@ -324,7 +352,9 @@ class TensorParallelStrategy(ModelParallelStrategy):
         if self._reducer is not None:
             self._reducer.remove()
             self._reducer = None
-        if self._engine is not None:
+        if isinstance(self._engine, ShardedParams) and not self._engine.released and not self._failed:
+            sp_state.release(self._engine, self.root_device)  # the slices whole again on each rank (collective)
+        elif self._engine is not None:
             self._engine.remove()  # its hooks; the shards stay: a save_checkpoint after the fit gathers them
         self.precision_plugin.__dict__.pop("clip_grad_by_norm", None)
         module = self.lightning_module
@@ -333,6 +363,11 @@ class TensorParallelStrategy(ModelParallelStrategy):
             module.__dict__.pop(GROUP_ATTRIBUTE, None)
             self._applied = None
         super().teardown()
+
+    @override
+    def _after_forward_only(self) -> None:
+        if isinstance(self._engine, ShardedParams) and not self._engine.released:
+            self._engine.reshard()  # ZeRO-3's root unit stays gathered after a forward that has no backward
 
     # ------------------------------------------------------------ gradients
     @override
@@ -384,12 +419,12 @@ class TensorParallelStrategy(ModelParallelStrategy):
             sharded = [torch.linalg.vector_norm(g, 2.0) for p, g in grads if id(p) in self._shards]
             replicated = [torch.linalg.vector_norm(g, 2.0) for p, g in grads if id(p) not in self._shards]
             return sharded, replicated, [g for _, g in grads]
-        sliced = {name for g in engine.groups for p, name in zip(g.params, g.names) if id(p) in self._shards}
+        sliced = {name for name, p in self.lightning_module.named_parameters() if id(p) in self._shards}
         pieces = [p for p in engine.param_pieces if p.shard.grad is not None]
         norms = shard_grad_norms(pieces, 2.0, group=engine.group, device=self.root_device)
         sharded = [norm for p, norm in zip(pieces, norms) if p.name in sliced]
         replicated = [norm for p, norm in zip(pieces, norms) if p.name not in sliced]
-        return sharded, replicated, [g.shard.grad for g in engine.groups if g.shard.grad is not None]
+        return sharded, replicated, [p.grad for p in engine.shard_params if p.grad is not None]
 
     # ------------------------------------------------------------ checkpoints
     @property
@@ -405,8 +440,12 @@ class TensorParallelStrategy(ModelParallelStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The whole model's weights in the unparallelized layout (a collective over each tensor-parallel group)."""
-        return {k: v.detach().cpu() for k, v in full_state_dict(self.lightning_module).items()}
+        """The whole model's weights in the unparallelized layout (a collective over each tensor-parallel group;
+        ZeRO-3: each slice first gathered over its data-parallel group)."""
+        engine = self._engine
+        gathered = engine.summon_full_params() if isinstance(engine, ShardedParams) else nullcontext()
+        with gathered:
+            return {k: v.detach().cpu() for k, v in full_state_dict(self.lightning_module).items()}
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
@@ -421,7 +460,10 @@ class TensorParallelStrategy(ModelParallelStrategy):
             return value
 
         engine = self._engine
-        state = stage12_state.full_state_dict(engine) if engine is not None else optimizer.state_dict()
+        if isinstance(engine, ShardedParams):
+            state = sp_state.optimizer_state_dict(engine, sharded=False)
+        else:
+            state = stage12_state.full_state_dict(engine) if engine is not None else optimizer.state_dict()
         return self._map_state(self._state_params(optimizer), state, gather)
 
     @override
@@ -444,7 +486,9 @@ class TensorParallelStrategy(ModelParallelStrategy):
 
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
             sliced = self._map_state(self._state_params(optimizer), state, slice_)
-            if self._engine is not None:
+            if isinstance(self._engine, ShardedParams):
+                sp_state.load_optimizer_state_dict(self._engine, sliced, sliced["param_groups"])
+            elif self._engine is not None:
                 stage12_state.load_full_state_dict(self._engine, sliced)  # each rank keeps its ZeRO shard of it
             else:
                 optimizer.load_state_dict(sliced)
@@ -453,6 +497,8 @@ class TensorParallelStrategy(ModelParallelStrategy):
     def _state_params(self, optimizer: Optimizer) -> list[Tensor]:
         """The parameters an unsharded state dict of ``optimizer`` numbers, in order: under ZeRO the module's slices
         it was built over (its param groups now hold the engine's shards)."""
+        if isinstance(self._engine, ShardedParams):
+            return [p for group in self._engine.original_groups for p in group]
         if self._engine is not None:
             return [p for g in self._engine.groups for p in g.original_params]
         return [p for group in optimizer.param_groups for p in group["params"]]

@@ -340,23 +340,10 @@ class ZeroStrategy(ScratchParallelStrategy):
         engine.after_step()  # stages 1 and 2 all-gather the updated shards; stage 3 gathers on the next forward
         return output
 
-    def _forward_only(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        output = step(*args, **kwargs)
+    @override
+    def _after_forward_only(self) -> None:
         if self._params is not None:
             self._params.reshard()  # the root unit stays gathered after a forward that has no backward
-        return output
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._forward_only(super().validation_step, *args, **kwargs)
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._forward_only(super().test_step, *args, **kwargs)
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._forward_only(super().predict_step, *args, **kwargs)
 
     # ------------------------------------------------------------ checkpoints
     @property

@@ -83,7 +83,15 @@ def new_groups(mesh: Mesh, rank: int) -> MeshGroups:
             group = dist.new_group(mesh.model_group(r))
             model_group = group if r == replica else model_group
     if mesh.model_size > 1:
-        for i in range(mesh.model_size):
-            group = dist.new_group(mesh.data_group(i))
-            data_group = group if i == index else data_group
+        data_group = new_data_groups(mesh, index)
     return MeshGroups(mesh, replica, index, mesh.model_group(replica), mesh.data_group(index), model_group, data_group)
+
+
+def new_data_groups(mesh: Mesh, index: int, **options: Any) -> Any:
+    """Create every data group of ``mesh`` (collective), with ``torch.distributed.new_group``'s ``options``
+    (``backend``, ``timeout``), and return model part ``index``'s."""
+    mine = None
+    for i in range(mesh.model_size):
+        group = dist.new_group(mesh.data_group(i), **options)
+        mine = group if i == index else mine
+    return mine

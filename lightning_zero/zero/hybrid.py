@@ -63,6 +63,8 @@ class ShardingGroups:
     shard: Any = None
     replicate: Any = None
     shard_size: int | None = None
+    check: Any = None
+    """ZeRO-3's gather-sequence check group over ``shard``'s ranks (``None``: the engine creates it)."""
 
     @property
     def hybrid(self) -> bool:

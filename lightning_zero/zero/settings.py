@@ -193,9 +193,11 @@ def build_stage3(
     timeout: timedelta | None,
     find_unused_parameters: bool,
     rng_state: dict[str, torch.Tensor] | None = None,
+    groups: ShardingGroups | None = None,
 ) -> ShardedParams:
-    """The ZeRO-3 engine: ``module``'s parameters sharded per unit (attach the optimizer afterwards); collective."""
-    groups = new_groups(settings.shard_size)
+    """The ZeRO-3 engine: ``module``'s parameters sharded per unit (attach the optimizer afterwards); collective.
+    ``groups``: as for :func:`build_stage12`."""
+    groups = new_groups(settings.shard_size) if groups is None else groups
     return ShardedParams(
         module,
         auto_wrap_policy=settings.auto_wrap_policy,
@@ -210,5 +212,6 @@ def build_stage3(
         grad_block_size=settings.quant_block_size if settings.quantized_grads else None,
         group=groups.shard,
         replicate_group=groups.replicate,
+        check_group=groups.check,
         **engine_dtypes(policy),
     )

@@ -125,7 +125,7 @@ def _numbering(engine: ShardedOptimizer) -> list[list[int]]:
 def _root(engine: ShardedOptimizer) -> int | None:
     """The global rank the full state is built on ([Note: full optimizer state]): the shard group's first rank, or
     ``None`` where the shard group skips it (hybrid sharding, every group but rank 0's)."""
-    root = 0 if engine.group is None else dist.get_global_rank(engine.group, 0)
+    root = comm.global_rank(0, engine.group)
     return None if engine.replicate_group is not None and root != 0 else root
 
 

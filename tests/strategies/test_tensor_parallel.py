@@ -35,6 +35,7 @@ import lightning_zero
 from lightning_zero.comm import collectives as comm
 from lightning_zero.demo.model import CharGPT, CharGPTModule
 from lightning_zero.tensor_parallel import GPT_PLAN, ColwiseParallel
+from lightning_zero.zero.stage12 import ShardedOptimizer
 from tests.helpers.parity import max_abs_diff, quiet_trainer
 from tests.helpers.workers import run_workers
 
@@ -124,7 +125,8 @@ class Recorder(L.Callback):
         self.losses.append(trainer.callback_metrics["train/loss"].item())
         self.ledger.append({tag: n - self._start[tag] for tag, n in self._counts().items()})
         engine = trainer.strategy.engine
-        pool = engine.reducer.buffers if engine is not None and engine.reducer.transient else []
+        stage12 = isinstance(engine, ShardedOptimizer)
+        pool = engine.reducer.buffers if stage12 and engine.reducer.transient else []
         pool_bytes = sum(t.untyped_storage().nbytes() for t in pool)
         self.memory = trainer.strategy.model_state_bytes().as_dict() | {"pool": pool_bytes}
 
@@ -199,7 +201,7 @@ def test_two_tensor_parallel_ranks_match_single_process_loss_weights_and_validat
         assert metrics["val/ppl"] == pytest.approx(expected_ppl, rel=1e-5)
 
 
-ZERO_STAGES = (0, 1, 2)
+ZERO_STAGES = (0, 1, 2, 3)
 
 
 def _fit_zero_stages() -> dict[int, dict]:
@@ -235,7 +237,7 @@ def test_two_replicas_of_two_tensor_parallel_ranks_match_and_communicate_as_theo
         assert result["ledger"] == window * (BATCHES // 2) * EPOCHS
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_zero_stages_match_the_reference_and_zero_stage_0(zero_stage_fits, stage):
     worst = _check_fit(zero_stage_fits[stage], replicas=2, accumulate=2, clip=CLIP)
     assert worst < TOLERANCE
@@ -279,6 +281,21 @@ def test_zero_stages_halve_the_optimizer_state_and_stage_2_the_gradients(zero_st
             assert memory["params"] / base["params"] == pytest.approx(1.0, abs=0.01), (stage, rank)
 
 
+def test_zero_stage_3_shards_the_slices_and_keeps_the_tensor_parallel_traffic(zero_stage_fits):
+    """ZeRO-3 over the data-parallel group: parameters, gradients and optimizer state of each rank's slice are split
+    over the 2 replicas; the tensor-parallel group carries exactly what it carries under zero_stage=0 (the activations,
+    the loss and one norm per window), and the slices are gathered ("params") and reduce-scattered over the data
+    group only."""
+    for rank, plain in enumerate(zero_stage_fits[0]):
+        memory, base = zero_stage_fits[3][rank]["memory"], plain["memory"]
+        for key in ("params", "grads", "optimizer"):
+            assert memory[key] / base[key] == pytest.approx(0.5, abs=0.01), (key, rank)
+        tp_traffic = ("tp", "tp bytes", "tp/grad_norm")
+        for sharded, whole in zip(zero_stage_fits[3][rank]["ledger"], plain["ledger"]):
+            assert {k: sharded[k] for k in tp_traffic} == {k: whole[k] for k in tp_traffic}
+            assert sharded["params"] > 0 and sharded["grad_norm"] == whole["tp/grad_norm"]
+
+
 class PlainLossModule(CharGPTModule):
     """An unchanged module (``F.cross_entropy`` on whole logits) with its own plan: the head gathers its output."""
 
@@ -320,7 +337,7 @@ def _save_and_resume(directory: str, replicas: int, zero_stage: int) -> dict:
 
 @pytest.mark.parametrize(
     "replicas, zero_stage",
-    [(1, 0), pytest.param(2, 2, id="zero_stage=2")],
+    [(1, 0), pytest.param(2, 2, id="zero_stage=2"), pytest.param(2, 3, id="zero_stage=3")],
 )
 def test_checkpoint_is_the_whole_unparallelized_model_and_resumes_bit_identically(tmp_path, replicas, zero_stage):
     """Under ZeRO the file holds the unsharded optimizer state too: the one-process AdamW's after the same epoch."""
@@ -363,10 +380,8 @@ def test_settings_it_cannot_run_are_refused():
     with pytest.raises(ValueError, match="tensor_parallel_size=0 is invalid: expected an integer >= 1"):
         lightning_zero.TensorParallelStrategy(tensor_parallel_size=0)
     for zero_stage in (4, -1, True, "2"):
-        with pytest.raises(ValueError, match=rf"zero_stage={zero_stage!r} is invalid: expected 0, 1 or 2"):
+        with pytest.raises(ValueError, match=rf"zero_stage={zero_stage!r} is invalid: expected 0, 1, 2 or 3"):
             lightning_zero.TensorParallelStrategy(plan=GPT_PLAN, zero_stage=zero_stage)
-    with pytest.raises(ValueError, match="zero_stage=3 is not supported yet by tensor_parallel_scratch"):
-        lightning_zero.TensorParallelStrategy(plan=GPT_PLAN, zero_stage=3)
 
 
 class NoPlanModule(CharGPTModule):

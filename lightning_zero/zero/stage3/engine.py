@@ -113,6 +113,8 @@ class ShardedParams:
         replicate_group: hybrid sharding ([Note: hybrid sharding] in ``lightning_zero/zero/hybrid.py``): the group of
             ranks holding the same shards as this one; ``group`` is then this rank's shard group, gradients reduced
             in it are averaged across this group too, and the default group spans both.
+        check_group: a gloo group of ``group``'s ranks for [Note: gather sequence check], when ranks shard over
+            different groups (``None``: created here over ``group``'s ranks, which every rank must then share).
     """
 
     def __init__(
@@ -135,6 +137,7 @@ class ShardedParams:
         grad_block_size: int | None = None,
         group: Any = None,
         replicate_group: Any = None,
+        check_group: Any = None,
     ) -> None:
         if grad_sync not in GRAD_SYNC_MODES:
             raise ValueError(f"grad_sync={grad_sync!r} is invalid: expected one of {GRAD_SYNC_MODES}")
@@ -169,7 +172,9 @@ class ShardedParams:
             self._build_segments(unit, [TRAINABLE if p.requires_grad else FROZEN for p in params], params)
         load_real_tensors(module, self._load_param, self.device, job)
         build_meta_modules(module, self._load_param, self.device, rng_state, job)
-        self._gather_order = GatherOrder([u.plan.label for u in self.units], group=job, timeout=timeout)
+        self._gather_order = GatherOrder(
+            [u.plan.label for u in self.units], group=job, timeout=timeout, check_group=check_group
+        )
         self._job_group = job
         self._order: list[int] = []  # units in the order this pass gathered them in forward
         self._last_order = [u.index for u in self.units]  # the previous pass's (prefetch guide)

@@ -92,14 +92,25 @@ class GatherOrder:
         group: the data process group (``None``: the default group); the exchanges run on a gloo group over its
             ranks.
         timeout: of that gloo group (``None``: torch's default).
+        check_group: that gloo group, created by the caller (``None``: created here, a collective over the world
+            with ``group``'s ranks, which the caller must then create on every rank with the same ranks).
     """
 
-    def __init__(self, labels: Sequence[str], *, group: Any = None, timeout: timedelta | None = None) -> None:
+    def __init__(
+        self,
+        labels: Sequence[str],
+        *,
+        group: Any = None,
+        timeout: timedelta | None = None,
+        check_group: Any = None,
+    ) -> None:
         self.labels = list(labels)
         self.rank = comm.rank(group)
         self.active = comm.world_size(group) > 1
         ranks = dist.get_process_group_ranks(group or dist.group.WORLD) if self.active else None
-        self.group = dist.new_group(ranks, timeout=timeout, backend="gloo") if ranks else None
+        if check_group is None and ranks:
+            check_group = dist.new_group(ranks, timeout=timeout, backend="gloo")
+        self.group = check_group if self.active else None
         self.gathers = 0  # over the engine's life
         self.plan: list[int] = []  # the previous pass's gathers: the same on every rank
         self.sequence: list[int] = []  # this pass's gathers

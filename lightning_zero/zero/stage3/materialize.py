@@ -51,7 +51,7 @@ def load_real_tensors(module: nn.Module, load_param: LoadParam, device: torch.de
             continue
         tensor.data = tensor.data.to(device)
         if comm.is_initialized():
-            comm.broadcast(tensor.data, 0, group=group, tag="init")
+            comm.broadcast(tensor.data, comm.global_rank(0, group), group=group, tag="init")
         if isinstance(tensor, nn.Parameter):
             load_param(tensor)
 
@@ -84,7 +84,7 @@ def build_meta_modules(
     if device.type == "cuda" and "cuda" not in state:
         state["cuda"] = torch.cuda.get_rng_state(device)
     if comm.is_initialized():
-        state = comm.broadcast_object(state, 0, group=group, tag="init")
+        state = comm.broadcast_object(state, comm.global_rank(0, group), group=group, tag="init")
     torch.set_rng_state(state["cpu"])
     if device.type == "cuda":
         torch.cuda.set_rng_state(state["cuda"], device)

@@ -67,10 +67,17 @@ def _template(mesh: DeviceMesh, shape: torch.Size, dtype: torch.dtype, device: t
     return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=shape, stride=stride)
 
 
+def _keeps_full(engine: ShardedParams) -> bool:
+    """Whether this rank keeps a full state: the first rank of the engine's shard group and of its replicate group
+    (hybrid sharding: global rank 0 only; tensor_parallel_scratch: replica 0's rank of each slice's data group)."""
+    first = comm.rank(engine.group) == 0
+    return first and (engine.replicate_group is None or comm.rank(engine.replicate_group) == 0)
+
+
 def _on_rank_zero(engine: ShardedParams, full: Tensor) -> Tensor | None:
     """A full checkpoint is written by rank 0: it keeps a CPU copy of each gathered value as it arrives, the other
     ranks nothing, so no rank holds more than one segment beyond its shards ([Note: stage-3 state dict layout])."""
-    return full.to("cpu", copy=True) if comm.rank() == 0 else None  # global rank 0 (hybrid: not each group's)
+    return full.to("cpu", copy=True) if _keeps_full(engine) else None
 
 
 def _full(value: Tensor) -> Tensor:
@@ -85,7 +92,7 @@ def model_state_dict(engine: ShardedParams, sharded: bool) -> dict[str, Any]:
     for segment in engine.segments:
         for p, full in zip(segment.params, _per_param(engine, segment, segment.shard)):
             values[id(p)] = _to_dtensor(mesh, full) if mesh is not None else _on_rank_zero(engine, full)
-    if not sharded and comm.rank() != 0:
+    if not sharded and not _keeps_full(engine):
         return {}
     with engine.reading_placeholders():
         state = engine.module.state_dict(keep_vars=True)
@@ -175,7 +182,7 @@ def optimizer_state_dict(engine: ShardedParams, sharded: bool) -> dict[str, Any]
     numbers = _numbering(engine)
     state = {numbers[id(p)]: per_param[id(p)] for group in engine.original_groups for p in group if id(p) in per_param}
     groups = [{**hp, "params": [numbers[id(p)] for p in group]} for hp, group in zip(hyper, engine.original_groups)]
-    return {"state": state if comm.rank() == 0 else {}, "param_groups": groups}
+    return {"state": state if _keeps_full(engine) else {}, "param_groups": groups}
 
 
 def _numbering(engine: ShardedParams) -> dict[int, int]:
