@@ -361,10 +361,14 @@ class ScratchParallelStrategy(DistributedPlumbing, ParallelStrategy):
         (:mod:`lightning_zero.training.checkpoint_checks`)."""
         with reading(checkpoint_path):
             checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        module = self.lightning_module
-        if module is not None:
-            check_shapes(checkpoint_path, shapes_of(checkpoint.get("state_dict", {})), shapes_of(module.state_dict()))
+        if self.lightning_module is not None:
+            check_shapes(checkpoint_path, shapes_of(checkpoint.get("state_dict", {})), self._full_model_shapes())
         return checkpoint
+
+    def _full_model_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The shape of each entry of the module's state dict as a whole-model checkpoint holds it (subclasses that
+        split tensors give the unsplit shapes)."""
+        return shapes_of(self.lightning_module.state_dict())
 
     @property
     def layout(self) -> dict[str, Any] | None:

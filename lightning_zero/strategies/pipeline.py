@@ -55,9 +55,13 @@ rank per replica. The logged values are each replica's (``sync_dist`` averages t
 (BatchNorm statistics) follow ``ddp``'s rule: before a forward that follows a gradient-synchronising one, each stage
 takes the first replica's (``broadcast_buffers=False`` turns it off).
 
-**Checkpoints** are Lightning's plain files, in the unsplit model's layout: rank 0 gathers every stage's weights and
-optimizer state, and a resume loads each stage's part (at any number of stages). After a fit every rank gets the
-whole weights back (as under ``ddp``).
+**Checkpoints** (``trainer.save_checkpoint`` is collective, as ``ModelCheckpoint`` calls it) are Lightning's plain
+files by default (``state_dict_type="full"``), in the unsplit model's layout: rank 0 gathers every stage's weights and
+optimizer state. With ``state_dict_type="sharded"`` nothing is gathered: each rank writes its stage's weights and
+optimizer state, keyed by parameter name, into a directory ([Note: sharded model-parallel checkpoints] in
+``lightning_zero/strategies/model_parallel.py``). A resume loads either kind (whatever ``state_dict_type``) after the
+stages are built, at any number of stages, balance or replicas: each rank keeps its stage's part of a file, and reads
+only its stage's tensors of a directory. After a fit every rank gets the whole weights back (as under ``ddp``).
 
 Not supported (refused with an error): BatchNorm layers with ``micro_batches > 1`` (each micro-batch would be
 normalized by its own statistics), ``16-mixed`` (its loss scaler would have to scale the pipeline's backward),
@@ -78,6 +82,7 @@ import torch
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor, nn
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -88,7 +93,13 @@ from lightning_zero.pipeline.outputs import LogRecorder, combine_logs, concatena
 from lightning_zero.pipeline.runtime import PipelineStage
 from lightning_zero.pipeline.schedule import SCHEDULES, Action, build, check_pipeline
 from lightning_zero.pipeline.stages import check_parameters, partition, split_batch
-from lightning_zero.strategies.model_parallel import ModelParallelStrategy
+from lightning_zero.strategies.model_parallel import (
+    ModelParallelStrategy,
+    check_state_dict_type,
+    optimizer_state_template,
+    parameter_names,
+    rekey_optimizer_state,
+)
 from lightning_zero.training.distributed import PIPELINE_NAMES
 from lightning_zero.training.mesh import new_groups
 from lightning_zero.zero.stage3.materialize import build_meta_modules, has_meta_tensors, rng_state
@@ -113,6 +124,8 @@ class PipelineStrategy(ModelParallelStrategy):
             device and each rank builds only its stage, replaying each module's ``reset_parameters()``).
         stages: ranks per pipeline (a divisor of the world size; default all of them). The world size divided by
             ``stages`` is the number of data-parallel replicas ([Note: data parallel x pipeline]).
+        state_dict_type: ``"full"`` (default: one plain file, every stage's state gathered on rank 0) or
+            ``"sharded"`` (a directory, each rank writing its stage's; [Note: sharded model-parallel checkpoints]).
         **kwargs: ``process_group_backend``, ``timeout``, ``start_method`` (see
             :class:`~lightning_zero.strategies.base.ScratchParallelStrategy`).
     """
@@ -129,6 +142,7 @@ class PipelineStrategy(ModelParallelStrategy):
         balance: Sequence[int] | None = None,
         model_init: str = "full",
         stages: int | None = None,
+        state_dict_type: str = "full",
         **kwargs: Any,
     ) -> None:
         check_pipeline(1, micro_batches)
@@ -140,6 +154,7 @@ class PipelineStrategy(ModelParallelStrategy):
             raise ValueError(f"model_init={model_init!r} is invalid: expected one of {MODEL_INITS}")
         if stages is not None:
             check_pipeline(stages, 1)
+        self.state_dict_type = check_state_dict_type(state_dict_type)
         super().__init__(**kwargs)
         self.micro_batches, self.schedule, self.layers_name = micro_batches, schedule, layers
         self.balance = list(balance) if balance is not None else None
@@ -408,21 +423,34 @@ class PipelineStrategy(ModelParallelStrategy):
             "micro_batches": self.micro_batches,
         }
 
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        """Checkpoints load into the built stages: each rank keeps its stage's part of a file
+        (:meth:`load_model_state_dict`) and reads only its stage's tensors of a directory
+        (:meth:`sharded_templates`)."""
+        return True
+
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """Every stage's weights, gathered on rank 0 (the other ranks return their own)."""
+        """This stage's weights (``"sharded"``), or every stage's gathered on rank 0 (``"full"``; the other ranks
+        return their own)."""
         module = self.lightning_module
         keys = placement.real_keys(module)
         own = {k: v.detach().cpu() for k, v in module.state_dict().items() if k in keys}
-        gathered = self._gather_on_rank_zero(own)
+        gathered = self._gather_on_rank_zero(own) if self.state_dict_type == "full" else None
         if gathered is None:
             return own
         return {k: v for state in gathered for k, v in state.items()}
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """The optimizer's state for every stage's parameters, gathered on rank 0."""
+        """The optimizer's state for this stage's parameters keyed by name (``"sharded"``), or for every stage's
+        gathered on rank 0 (``"full"``)."""
         own = placement.select_optimizer_state(optimizer.state_dict(), placement.owned_positions(optimizer))
+        if self.state_dict_type == "sharded":
+            names = parameter_names(optimizer, self.lightning_module)
+            return rekey_optimizer_state(own, dict(enumerate(names)))
         gathered = self._gather_on_rank_zero(own)
         return placement.merge_optimizer_states(gathered) if gathered is not None else own
 
@@ -434,8 +462,23 @@ class PipelineStrategy(ModelParallelStrategy):
         return comm.gather_object(obj, 0, group=self.groups.model_group, tag="pipeline/checkpoint")
 
     @override
+    def sharded_templates(self, metadata: Metadata) -> dict[str, Any]:
+        """This stage's state-dict entries the checkpoint holds and, in a fit, each optimizer's state of this stage's
+        parameters, by name."""
+        module = self.lightning_module
+        keys, saved = placement.real_keys(module), metadata.state_dict_metadata
+        model = {k: torch.empty_like(v) for k, v in module.state_dict().items() if k in keys and f"model.{k}" in saved}
+        tensors: dict[str, Any] = {"model": model}
+        for i, optimizer in enumerate(self.optimizers if self._fitting else []):
+            names = parameter_names(optimizer, module)
+            own = [names[position] for position in sorted(placement.owned_positions(optimizer))]
+            tensors[f"optimizer_{i}"] = {"state": optimizer_state_template(own, metadata, f"optimizer_{i}")}
+        return tensors
+
+    @override
     def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
-        """This stage's weights (and everything outside the pipelined layers) from a whole-model checkpoint."""
+        """This stage's weights (and everything outside the pipelined layers) from a whole-model checkpoint, or from
+        a sharded one (which holds only those)."""
         module = self.lightning_module
         keys = placement.real_keys(module)
         state = checkpoint["state_dict"]
@@ -447,8 +490,12 @@ class PipelineStrategy(ModelParallelStrategy):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
-        """Each optimizer's state for this stage's parameters."""
+        """Each optimizer's state for this stage's parameters, keyed by position (a file) or by name (a sharded
+        checkpoint)."""
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            if any(isinstance(k, str) for group in state["param_groups"] for k in group["params"]):
+                names = parameter_names(optimizer, self.lightning_module)
+                state = rekey_optimizer_state(state, {name: i for i, name in enumerate(names)})
             optimizer.load_state_dict(placement.select_optimizer_state(state, placement.owned_positions(optimizer)))
 
     @override

@@ -83,12 +83,18 @@ all-gathers run over the data group only, and a slice's flat layout is the same 
 gather each state tensor over the data group first (to replica 0) and then over the tensor-parallel group, so the file
 is the same as with ``zero_stage=0``. With one replica there is nothing to shard and ``zero_stage`` changes nothing.
 
-**Checkpoints** are Lightning's plain files of the whole model in the unparallelized layout (rank 0 writes them): the
-weights are gathered with :func:`full_state_dict` and each optimizer state tensor of a parameter's local shape (AdamW's
-``exp_avg``/``exp_avg_sq``, SGD's momentum) is gathered along the parameter's dimension (under ZeRO after its
-data-parallel shards were), so the file loads into the plain model and its optimizer. Lightning restores the weights
-before ``setup``, into the whole model (then sliced like fresh ones); the optimizer state after it, sliced here. A
-resume is bit-identical to an uninterrupted run.
+**Checkpoints** (``trainer.save_checkpoint`` is collective, as ``ModelCheckpoint`` calls it) are by default
+(``state_dict_type="full"``) Lightning's plain files of the whole model in the unparallelized layout (rank 0 writes
+them): the weights are gathered with :func:`full_state_dict` and each optimizer state tensor of a parameter's local
+shape (AdamW's ``exp_avg``/``exp_avg_sq``, SGD's momentum) is gathered along the parameter's dimension (under ZeRO
+after its data-parallel shards were), so the file loads into the plain model and its optimizer. With
+``state_dict_type="sharded"`` nothing crosses the tensor-parallel group: each slice and its optimizer state (gathered
+over the data group under ZeRO) is a DTensor of the whole entry ([Note: tensor-parallel DTensors] in
+``lightning_zero/tensor_parallel/checkpoint.py``), written into a directory with the optimizer state keyed by
+parameter name ([Note: sharded model-parallel checkpoints] in ``lightning_zero/strategies/model_parallel.py``), so it
+loads at any tensor-parallel size, number of replicas or ZeRO stage, each rank reading only its slices. Either kind
+loads after ``setup``, whatever ``state_dict_type``: each rank keeps its slices of the weights and of the optimizer
+state (and under ZeRO its shard of them). A resume is bit-identical to an uninterrupted run.
 
 **After fit, validate, test or predict** the module is the whole model again (``teardown`` gathers every slice back
 with :func:`unparallelize`, new ``nn.Parameter`` objects, and removes ``tensor_parallel_group``), as under ``ddp``:
@@ -114,23 +120,32 @@ import torch.distributed as dist
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor, nn
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero.comm import collectives as comm
 from lightning_zero.dp.reducer import GradientReducer
-from lightning_zero.strategies.model_parallel import ModelParallelStrategy
+from lightning_zero.strategies.model_parallel import (
+    ModelParallelStrategy,
+    check_state_dict_type,
+    optimizer_state_template,
+    rekey_optimizer_state,
+)
 from lightning_zero.tensor_parallel import (
     Style,
     full_state_dict,
     parallelize,
-    shard,
     shard_state_dict,
     sharded_entries,
     unparallelize,
     unshard,
 )
+from lightning_zero.tensor_parallel.checkpoint import checkpoint_shape, template, to_dtensor
 from lightning_zero.tensor_parallel.layers import TensorParallelModule
+from lightning_zero.tensor_parallel.plan import slice_of
+from lightning_zero.training.checkpoint_checks import shapes_of
 from lightning_zero.training.distributed import TENSOR_PARALLEL_NAMES, check_bucket_size
 from lightning_zero.training.mesh import new_data_groups, new_groups
 from lightning_zero.training.precision import PrecisionPolicy
@@ -165,6 +180,8 @@ class TensorParallelStrategy(ModelParallelStrategy):
         zero_stage: how the data-parallel dimension keeps the model states: 0 (every replica holds its slice's
             whole optimizer state, gradients averaged as by ``ddp``), 1 (the state sharded over the data-parallel
             group), 2 (and the gradients) or 3 (and the parameters); see [Note: ZeRO x tensor parallel].
+        state_dict_type: ``"full"`` (default: one plain file of the whole model) or ``"sharded"`` (a directory, each
+            rank writing its slices; see **Checkpoints** above).
         **kwargs: ``process_group_backend``, ``timeout``, ``start_method`` (see
             :class:`~lightning_zero.strategies.base.ScratchParallelStrategy`).
     """
@@ -181,6 +198,7 @@ class TensorParallelStrategy(ModelParallelStrategy):
         plan_root: str = "",
         bucket_size_mb: float = 25,
         zero_stage: int = 0,
+        state_dict_type: str = "full",
         **kwargs: Any,
     ) -> None:
         size = tensor_parallel_size
@@ -194,6 +212,7 @@ class TensorParallelStrategy(ModelParallelStrategy):
         check_bucket_size(bucket_size_mb)
         if type(zero_stage) is not int or zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage={zero_stage!r} is invalid: expected 0, 1, 2 or 3")
+        self.state_dict_type = check_state_dict_type(state_dict_type)
         super().__init__(**kwargs)
         self.tensor_parallel_size, self.plan_root, self.bucket_size_mb = tensor_parallel_size, plan_root, bucket_size_mb
         self.plan = _resolve(plan) if plan is not None else None
@@ -201,6 +220,8 @@ class TensorParallelStrategy(ModelParallelStrategy):
         self._zero = ZeroSettings.check(stage=zero_stage, bucket_size_mb=bucket_size_mb) if zero_stage else None
         self._applied: dict[str, Style] | None = None  # the plan parallelizing the module now
         self._shards: _Shards = {}  # of the parameters the optimizers were built over
+        self._entries: dict[str, tuple[TensorParallelModule, int]] = {}  # sharded state-dict keys of the last setup
+        self._names_of: dict[int, str] = {}  # id(parameter) -> its name, of the parameters the optimizers hold
         self._reducer: GradientReducer | None = None  # zero_stage=0
         self._engine: ShardedOptimizer | ShardedParams | None = None  # zero_stage 1-3; kept after the fit
         self._failed = False
@@ -271,7 +292,7 @@ class TensorParallelStrategy(ModelParallelStrategy):
             self.groups = new_groups(self.mesh, self.global_rank)
         group = self.tensor_parallel_group
         parallelize(module, plan, group=group)
-        self._applied = plan
+        self._applied, self._entries = plan, sharded_entries(module)
         setattr(module, GROUP_ATTRIBUTE, group)
         if fitting:
             replicated = self.mesh.data_size > 1
@@ -286,9 +307,9 @@ class TensorParallelStrategy(ModelParallelStrategy):
             if replicated and self._zero is not None:
                 self._engine = self._shard_optimizer(module)
             self._shards = {
-                id(getattr(layer, key.rpartition(".")[2])): (layer, dim)
-                for key, (layer, dim) in sharded_entries(module).items()
+                id(getattr(layer, key.rpartition(".")[2])): (layer, dim) for key, (layer, dim) in self._entries.items()
             }
+            self._names_of = {id(p): name for name, p in module.named_parameters()}
             self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm  # type: ignore[method-assign]
         self.setup_precision_plugin()
 
@@ -419,7 +440,7 @@ class TensorParallelStrategy(ModelParallelStrategy):
             sharded = [torch.linalg.vector_norm(g, 2.0) for p, g in grads if id(p) in self._shards]
             replicated = [torch.linalg.vector_norm(g, 2.0) for p, g in grads if id(p) not in self._shards]
             return sharded, replicated, [g for _, g in grads]
-        sliced = {name for name, p in self.lightning_module.named_parameters() if id(p) in self._shards}
+        sliced = {self._names_of[i] for i in self._shards}
         pieces = [p for p in engine.param_pieces if p.shard.grad is not None]
         norms = shard_grad_norms(pieces, 2.0, group=engine.group, device=self.root_device)
         sharded = [norm for p, norm in zip(pieces, norms) if p.name in sliced]
@@ -438,14 +459,26 @@ class TensorParallelStrategy(ModelParallelStrategy):
             "zero_stage": self.zero_stage,
         }
 
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        """Checkpoints load into the parallelized module and its (sharded) optimizer: each rank keeps its slices."""
+        return True
+
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The whole model's weights in the unparallelized layout (a collective over each tensor-parallel group;
-        ZeRO-3: each slice first gathered over its data-parallel group)."""
-        engine = self._engine
+        """The whole model's weights in the unparallelized layout (``"full"``: a collective over each tensor-parallel
+        group), or each slice as a DTensor (``"sharded"``); ZeRO-3 first gathers each slice over its data group."""
+        module, engine = self.lightning_module, self._engine
         gathered = engine.summon_full_params() if isinstance(engine, ShardedParams) else nullcontext()
         with gathered:
-            return {k: v.detach().cpu() for k, v in full_state_dict(self.lightning_module).items()}
+            if self.state_dict_type == "full":
+                return {k: v.detach().cpu() for k, v in full_state_dict(module).items()}
+            state = {k: v.detach().clone() for k, v in module.state_dict().items()}
+        for key, (layer, dim) in self._entries.items():  # after a fit the module is whole: sliced like the fit's
+            local = state[key] if self._applied is not None else slice_of(state[key], layer, dim)
+            state[key] = to_dtensor(local, layer, dim)
+        return state
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
@@ -459,19 +492,75 @@ class TensorParallelStrategy(ModelParallelStrategy):
                 return unshard(value.to(p.device), dim, layer.group, layer.chunks)
             return value
 
-        engine = self._engine
+        def as_dtensor(value: Any, p: Tensor, layer: TensorParallelModule, dim: int) -> Any:
+            return to_dtensor(value, layer, dim) if isinstance(value, Tensor) and value.shape == p.shape else value
+
+        engine, params = self._engine, self._state_params(optimizer)
         if isinstance(engine, ShardedParams):
             state = sp_state.optimizer_state_dict(engine, sharded=False)
         else:
             state = stage12_state.full_state_dict(engine) if engine is not None else optimizer.state_dict()
-        return self._map_state(self._state_params(optimizer), state, gather)
+        if self.state_dict_type == "full":
+            return self._map_state(params, state, gather)
+        return rekey_optimizer_state(self._map_state(params, state, as_dtensor), dict(enumerate(self._names(params))))
+
+    @override
+    def sharded_templates(self, metadata: Metadata) -> dict[str, Any]:
+        """This rank's slices (DTensor templates) and replicated entries the checkpoint holds and, in a fit, the
+        optimizer state of this rank's slices by parameter name."""
+        module, saved = self.lightning_module, metadata.state_dict_metadata
+        entries, state = sharded_entries(module), self._local_state()
+        model = {
+            k: template(v, *entries[k]) if k in entries else torch.empty(v.shape, dtype=v.dtype, device=v.device)
+            for k, v in state.items()
+            if f"model.{k}" in saved
+        }
+        tensors: dict[str, Any] = {"model": model}
+        if self._fitting and self.optimizers:
+            params = self._state_params(self.optimizers[0])
+            named = optimizer_state_template(self._names(params), metadata, "optimizer_0")
+            for name, p in zip(self._names(params), params):
+                if id(p) in self._shards and name in named:
+                    layer, dim = self._shards[id(p)]
+                    full = checkpoint_shape(p, layer, dim)
+                    named[name] = {
+                        key: template(p, layer, dim, v.dtype) if isinstance(v, Tensor) and v.shape == full else v
+                        for key, v in named[name].items()
+                    }
+            tensors["optimizer_0"] = {"state": named}
+        return tensors
+
+    @override
+    def _full_model_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The unparallelized model's shapes: each slice's split dimension times the tensor-parallel size."""
+        shapes = shapes_of(self._local_state())
+        for key, (layer, dim) in sharded_entries(self.lightning_module).items():
+            shapes[key] = (*shapes[key][:dim], shapes[key][dim] * layer.tp_size, *shapes[key][dim + 1 :])
+        return shapes
+
+    def _local_state(self) -> dict[str, Tensor]:
+        """The module's state dict as it is on this rank, its slices' local shapes (ZeRO-3: the placeholders', only
+        the keys and shapes are to be read)."""
+        engine = self._engine
+        with engine.reading_placeholders() if isinstance(engine, ShardedParams) else nullcontext():
+            return self.lightning_module.state_dict(keep_vars=True)
+
+    def _names(self, params: list[Tensor]) -> list[str]:
+        """The names of ``params``, parameters the optimizers were built over (also after the fit)."""
+        return [self._names_of[id(p)] for p in params]
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        """A whole-model state dict, sliced where the module is parallelized (Lightning loads before ``setup``,
-        into the whole module: then nothing needs slicing)."""
-        module = self.lightning_module
-        module.load_state_dict(shard_state_dict(module, checkpoint["state_dict"]), strict=strict)
+        """A whole-model state dict (sliced here) or this rank's slices of a sharded checkpoint, into the module, or
+        under ZeRO-3 into its shards."""
+        module, engine = self.lightning_module, self._engine
+        state = shard_state_dict(module, checkpoint["state_dict"])
+        if isinstance(engine, ShardedParams) and not engine.released:
+            sp_state.load_model_state_dict(engine, state, strict)
+            return
+        module.load_state_dict(state, strict=strict)
+        if isinstance(engine, ShardedOptimizer):
+            engine.sync_after_load()  # its shards from the loaded parameters
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
@@ -480,12 +569,15 @@ class TensorParallelStrategy(ModelParallelStrategy):
         def slice_(value: Any, p: Tensor, layer: TensorParallelModule, dim: int) -> Any:
             full = list(p.shape)
             full[dim] *= layer.tp_size
-            if isinstance(value, Tensor) and list(value.shape) == full:
-                return shard(value, dim, layer.group, layer.chunks)
+            if isinstance(value, DTensor) or (isinstance(value, Tensor) and list(value.shape) == full):
+                return slice_of(value, layer, dim)
             return value
 
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
-            sliced = self._map_state(self._state_params(optimizer), state, slice_)
+            params = self._state_params(optimizer)
+            if any(isinstance(k, str) for group in state["param_groups"] for k in group["params"]):  # by name
+                state = rekey_optimizer_state(state, {name: i for i, name in enumerate(self._names(params))})
+            sliced = self._map_state(params, state, slice_)
             if isinstance(self._engine, ShardedParams):
                 sp_state.load_optimizer_state_dict(self._engine, sliced, sliced["param_groups"])
             elif self._engine is not None:

@@ -45,6 +45,7 @@ from types import MappingProxyType
 from typing import Any, ClassVar
 
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from lightning_zero.comm import collectives as comm
 from lightning_zero.tensor_parallel.layers import (
@@ -283,9 +284,19 @@ def full_state_dict(module: nn.Module) -> dict[str, Tensor]:
 def shard_state_dict(module: nn.Module, full: Mapping[str, Tensor]) -> dict[str, Tensor]:
     """The inverse of :func:`full_state_dict`: ``full`` (the state dict of the model before :func:`parallelize`, the
     same on every rank) with this rank's slice of each entry ``module`` holds sharded, for ``module.load_state_dict``.
-    No communication; other entries are passed through as they are (``load_state_dict`` judges them)."""
+    An entry that is a DTensor (read from a sharded checkpoint, [Note: tensor-parallel DTensors] in
+    ``lightning_zero/tensor_parallel/checkpoint.py``) is this rank's slice already. No communication; other entries
+    are passed through as they are (``load_state_dict`` judges them)."""
     state = dict(full)
     for key, (layer, dim) in sharded_entries(module).items():
         if key in state:
-            state[key] = shard(state[key], dim, layer.group, layer.chunks)
+            state[key] = slice_of(state[key], layer, dim)
     return state
+
+
+def slice_of(value: Tensor, layer: TensorParallelModule, dim: int) -> Tensor:
+    """This rank's slice of an entry of ``layer`` split along ``dim``: of the full tensor, or of a DTensor read from a
+    sharded checkpoint (its local piece)."""
+    if isinstance(value, DTensor):
+        return value.to_local().flatten(dim, dim + 1) if layer.chunks > 1 else value.to_local()
+    return shard(value, dim, layer.group, layer.chunks)

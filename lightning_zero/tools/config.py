@@ -270,6 +270,7 @@ class PipelineStrategyConf(_CheckedByItsStrategy):
     balance: Optional[list[int]] = None
     stages: Optional[int] = None
     model_init: str = "full"
+    state_dict_type: str = "full"
 
 
 @dataclass
@@ -283,6 +284,7 @@ class TensorParallelStrategyConf(_CheckedByItsStrategy):
     plan_root: str = ""
     bucket_size_mb: float = 25.0
     zero_stage: int = 0
+    state_dict_type: str = "full"
 
 
 SCHEMAS: dict[str, type] = {

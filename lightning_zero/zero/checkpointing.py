@@ -61,6 +61,18 @@ PARAM_GROUPS = "optimizer_param_groups"  # sharded checkpoints: each optimizer's
 INFO, INFO_FORMAT = "lightning_zero", 1  # [Note: checkpoint info]
 
 
+def save_split(path: str | Path, checkpoint: dict[str, Any]) -> None:
+    """Write ``checkpoint`` (the layout above) as a sharded checkpoint: ``"state_dict"`` under ``model.`` and each
+    optimizer's ``"state"`` under ``optimizer_<i>.`` to DCP, the rest to ``meta.pt`` with the optimizers'
+    ``param_groups`` as ``"optimizer_param_groups"`` (collective)."""
+    meta = dict(checkpoint)
+    tensors: dict[str, Any] = {"model": meta.pop(MODEL)}
+    optimizer_states = meta.pop(OPTIMIZERS, [])
+    tensors.update({f"optimizer_{i}": {"state": state["state"]} for i, state in enumerate(optimizer_states)})
+    meta[PARAM_GROUPS] = [state["param_groups"] for state in optimizer_states]
+    save_sharded(path, tensors, meta=meta)
+
+
 class ZeroCheckpointer:
     """Model and optimizer state of ``module`` under ``engine`` (``None``: stages 1 and 2 before or outside a fit,
     when the model is whole and no optimizer is sharded), full or sharded per ``sharded``.
@@ -116,12 +128,7 @@ class ZeroCheckpointer:
         checkpoint = {**checkpoint, INFO: self.info()}
         if not self.sharded:
             return write_full(checkpoint)
-        tensors: dict[str, Any] = {"model": checkpoint.pop(MODEL)}
-        optimizer_states = checkpoint.pop(OPTIMIZERS, [])
-        for i, state in enumerate(optimizer_states):
-            tensors[f"optimizer_{i}"] = {"state": state["state"]}
-        checkpoint[PARAM_GROUPS] = [state["param_groups"] for state in optimizer_states]
-        save_sharded(path, tensors, meta=checkpoint)
+        save_split(path, checkpoint)
 
     # ------------------------------------------------------------ loading
     def load(self, path: str | Path, read_full: Callable[[str | Path], dict[str, Any]]) -> tuple[dict[str, Any], bool]:

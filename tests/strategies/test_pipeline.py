@@ -8,12 +8,14 @@ which cut into uneven micro-batches.
 
 from __future__ import annotations
 
+import shutil
 import sys
 from unittest.mock import Mock
 
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
@@ -22,6 +24,8 @@ from torch.utils.data import DataLoader
 import lightning_zero
 from lightning_zero.comm import collectives as comm
 from lightning_zero.pipeline.schedule import build, simulate
+from lightning_zero.training.checkpoint_checks import CheckpointError
+from lightning_zero.zero.checkpoint import read_meta, read_metadata
 from tests.helpers.launch import clean_env, run_script
 from tests.helpers.parity import (
     ParityConfig,
@@ -246,24 +250,194 @@ def _save_and_resume(config: ParityConfig, directory: str) -> dict:
     return {"resumed": resumed, "straight": straight}
 
 
+LAYOUT = dict(strategy="pipeline_scratch", stages=2, replicas=1, balance=[3, 3], schedule="1f1b", micro_batches=2)
+"""The ``"parallel_layout"`` of the checkpoints of ``_save_and_resume``'s and the ``sharded`` fixture's runs."""
+
+
 def test_checkpoint_is_the_whole_model_and_resumes_exactly(tmp_path):
     results = run_workers(_save_and_resume, 2, CONFIG, str(tmp_path), timeout=180)
     for result in results:
         assert max_abs_diff(result["resumed"], result["straight"]) == 0.0
     checkpoint = torch.load(tmp_path / "epoch1.ckpt", weights_only=False)
-    assert checkpoint["parallel_layout"] == {
-        "strategy": "pipeline_scratch",
-        "stages": 2,
-        "replicas": 1,
-        "balance": [3, 3],
-        "schedule": "1f1b",
-        "micro_batches": 2,
-    }
+    assert checkpoint["parallel_layout"] == LAYOUT
     assert set(checkpoint["state_dict"]) == {f"net.{k}" for k in make_net().state_dict()}
     plain = make_net()
     plain.load_state_dict({k.removeprefix("net."): v for k, v in checkpoint["state_dict"].items()})
     optimizer_state = checkpoint["optimizer_states"][0]["state"]
     assert sorted(optimizer_state) == list(range(len(list(plain.parameters()))))  # every stage's parameters
+
+
+class SaveAtEpochEnd(L.Callback):
+    """At the end of the first epoch, while the stages are split: the sharded checkpoint ``epoch1`` and the same state
+    as a full file ``epoch1.ckpt``, counting the object gathers of each save."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory, self.gathers = directory, {}
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        strategy = trainer.strategy
+        for kind, name in (("sharded", "epoch1"), ("full", "epoch1.ckpt")):
+            strategy.state_dict_type, before = kind, comm.LEDGER.calls("gather_object")
+            trainer.save_checkpoint(f"{self.directory}/{name}")
+            self.gathers[kind] = comm.LEDGER.calls("gather_object") - before
+        strategy.state_dict_type = "sharded"
+
+
+def _fit_sharded(
+    config: ParityConfig, max_epochs: int, ckpt_path: str | None, callbacks=(), devices: int = 2, **kwargs
+) -> dict:
+    """A fit under ``state_dict_type="sharded"`` (``kwargs`` override the strategy's settings): the whole weights (every
+    rank holds them after the fit) and this rank's optimizer state, keyed by parameter name."""
+    L.seed_everything(config.seed, verbose=False)
+    module = ParityModule(config.lr)
+    strategy = pipeline(**{"micro_batches": 2, "state_dict_type": "sharded", **kwargs})
+    checkpointing = any(isinstance(c, ModelCheckpoint) for c in callbacks)
+    trainer = make_trainer(
+        config,
+        strategy,
+        devices=devices,
+        max_epochs=max_epochs,
+        callbacks=list(callbacks),
+        enable_checkpointing=checkpointing,
+    )
+    trainer.fit(module, train_loader(config), ckpt_path=ckpt_path)
+    names = {p: name for name, p in module.net.named_parameters()}
+    return {
+        "weights": {k: v.detach().clone() for k, v in module.net.state_dict().items()},
+        "optimizer": {names[p]: {k: v.clone() for k, v in s.items()} for p, s in trainer.optimizers[0].state.items()},
+    }
+
+
+def _sharded_runs(config: ParityConfig, directory: str) -> dict:
+    saver = SaveAtEpochEnd(directory)
+    _fit_sharded(config, 1, None, [saver])
+    epoch1 = f"{directory}/epoch1"
+    top_1 = ModelCheckpoint(dirpath=f"{directory}/top1", save_top_k=1)  # removes each epoch's predecessor
+    return {
+        "gathers": saver.gathers,
+        "straight": _fit_sharded(config, 2, None, [top_1]),
+        "resumed": _fit_sharded(config, 2, epoch1),
+        "resumed_balance": _fit_sharded(config, 2, epoch1, balance=[4, 2], state_dict_type="full"),
+        # 1 stage x 2 replicas: other batches than above, so against the same resume from the full file
+        "replicas": _fit_sharded(config, 2, epoch1, stages=1),
+        "replicas_from_file": _fit_sharded(config, 2, f"{epoch1}.ckpt", stages=1),
+    }
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("sharded")
+    return directory, run_workers(_sharded_runs, 2, CONFIG, str(directory), timeout=300)
+
+
+def _optimizer_states_of_every_stage(results: list[dict], run: str) -> dict:
+    return {name: state for result in results for name, state in result[run]["optimizer"].items()}
+
+
+def _assert_states_close(ours: dict, expected: dict, tolerance: float) -> None:
+    assert ours.keys() == expected.keys()
+    for name, state in ours.items():
+        for key, value in state.items():
+            assert (value - expected[name][key]).abs().max().item() <= tolerance, (name, key)
+
+
+def _no_decay() -> list[str]:
+    return [k for k, v in make_net().named_parameters() if v.ndim < 2]
+
+
+def test_sharded_checkpoint_resumes_exactly(sharded):
+    directory, results = sharded
+    for result in results:
+        assert max_abs_diff(result["resumed"]["weights"], result["straight"]["weights"]) == 0.0
+    straight = _optimizer_states_of_every_stage(results, "straight")
+    assert len(straight) == 8  # every parameter's state, each on its stage's rank
+    _assert_states_close(_optimizer_states_of_every_stage(results, "resumed"), straight, 0.0)
+    meta = read_meta(directory / "epoch1")
+    assert meta["parallel_layout"] == LAYOUT
+    assert "state_dict" not in meta and "optimizer_states" not in meta and meta["lr_schedulers"]
+    decay = ["net.0.weight", "net.3.weight", "net.5.weight"]  # the parity optimizer's groups, by name
+    assert [g["params"] for g in meta["optimizer_param_groups"][0]] == [decay, [f"net.{k}" for k in _no_decay()]]
+    # ModelCheckpoint(save_top_k=1) removed the first epoch's directory when it saved the second's
+    assert sorted(p.name for p in (directory / "top1").iterdir()) == ["epoch=1-step=16.ckpt"]
+    assert (directory / "top1" / "epoch=1-step=16.ckpt" / "meta.pt").is_file()
+
+
+def test_sharded_checkpoint_resumes_at_another_layout(sharded):
+    _, results = sharded
+    for result in results:
+        assert max_abs_diff(result["resumed_balance"]["weights"], result["straight"]["weights"]) < 1e-6
+        assert max_abs_diff(result["replicas"]["weights"], result["replicas_from_file"]["weights"]) == 0.0
+    straight = _optimizer_states_of_every_stage(results, "straight")
+    _assert_states_close(_optimizer_states_of_every_stage(results, "resumed_balance"), straight, 1e-6)
+    for result in results:  # each replica holds every parameter's state
+        _assert_states_close(result["replicas"]["optimizer"], result["replicas_from_file"]["optimizer"], 0.0)
+    assert results[0]["replicas"]["weights"].keys() == results[0]["straight"]["weights"].keys()
+
+
+def test_sharded_save_gathers_nothing_and_each_rank_writes_its_stage(sharded):
+    directory, results = sharded
+    for result in results:
+        assert result["gathers"] == {"sharded": 0, "full": 2}  # the full file gathers weights and optimizer state
+    metadata = read_metadata(directory / "epoch1")
+    params = list(make_net().state_dict())
+    stage = {k: 0 if int(k.split(".")[0]) < 3 else 1 for k in params}  # balance [3, 3]
+    states = ("exp_avg", "exp_avg_sq", "step")
+    expected = {f"model.net.{k}": stage[k] for k in params}
+    expected |= {f"optimizer_0.state.net.{k}.{s}": stage[k] for k in params for s in states}
+    assert set(metadata.state_dict_metadata) == set(expected)
+    files = [(index.fqn, info.relative_path) for index, info in metadata.storage_data.items()]
+    assert sorted(fqn for fqn, _ in files) == sorted(expected)  # every tensor written once
+    for fqn, file in files:
+        assert file.startswith(f"__{expected[fqn]}_"), (fqn, file)  # by the rank of its stage
+
+
+def _resume_damaged(config: ParityConfig, paths: list[str]) -> list[tuple[str, bool]]:
+    """Each path refused: the error's message, and whether the weights are still the initial ones."""
+    out = []
+    for path in paths:
+        L.seed_everything(config.seed, verbose=False)
+        module = ParityModule(config.lr)
+        trainer = make_trainer(config, pipeline(micro_batches=2, state_dict_type="sharded"), devices=2, max_epochs=2)
+        with pytest.raises(CheckpointError) as error:
+            trainer.fit(module, train_loader(config), ckpt_path=path)
+        initial = make_net().state_dict()
+        out.append((str(error.value), max_abs_diff(module.net.state_dict(), initial) == 0.0))
+    return out
+
+
+def test_damaged_sharded_checkpoint_is_refused_by_name(sharded, tmp_path):
+    directory, _ = sharded
+    no_meta, truncated = tmp_path / "no_meta", tmp_path / "truncated"
+    shutil.copytree(directory / "epoch1", no_meta)
+    (no_meta / "meta.pt").unlink()
+    shutil.copytree(directory / "epoch1", truncated)
+    shard = truncated / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:100])
+    for (missing, kept_missing), (cut, kept_cut) in run_workers(
+        _resume_damaged, 2, CONFIG, [str(no_meta), str(truncated)], timeout=120
+    ):
+        assert f"sharded checkpoint {no_meta} has no meta.pt" in missing and kept_missing
+        assert "shard file __1_0.distcp is truncated (100 bytes" in cut and kept_cut
+
+
+def _resume_on_four(config: ParityConfig, directory: str) -> dict:
+    epoch1 = f"{directory}/epoch1"
+    return {
+        "stages": _fit_sharded(config, 2, epoch1, devices=4),
+        "replicas": _fit_sharded(config, 2, epoch1, devices=4, stages=2),
+        "replicas_from_file": _fit_sharded(config, 2, f"{epoch1}.ckpt", devices=4, stages=2),
+    }
+
+
+def test_sharded_checkpoint_of_two_ranks_resumes_on_four(sharded):
+    directory, results = sharded
+    resumed = run_workers(_resume_on_four, 4, CONFIG, str(directory), timeout=300)
+    straight = results[0]["straight"]
+    for result in resumed:
+        assert max_abs_diff(result["stages"]["weights"], straight["weights"]) < 1e-6
+        assert max_abs_diff(result["replicas"]["weights"], result["replicas_from_file"]["weights"]) == 0.0
+    ours = _optimizer_states_of_every_stage(resumed, "stages")
+    _assert_states_close(ours, _optimizer_states_of_every_stage(results, "straight"), 1e-6)
 
 
 # ---------------------------------------------------------------- refusals (no processes)
@@ -273,6 +447,7 @@ def test_checkpoint_is_the_whole_model_and_resumes_exactly(tmp_path):
         ({"micro_batches": 0}, "micro_batches=0 is invalid"),
         ({"schedule": "interleaved"}, "schedule='interleaved' is invalid"),
         ({"model_init": "auto"}, "model_init='auto' is invalid"),
+        ({"state_dict_type": "x"}, "state_dict_type='x' is invalid: expected 'full' or 'sharded'"),
         ({"param_dtype": "bf16"}, "does not take ['param_dtype']"),
         ({"find_unused_parameters": True}, "does not take ['find_unused_parameters']"),
     ],

@@ -26,6 +26,7 @@ from unittest.mock import Mock
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
 from torch.nn import functional as F
@@ -35,6 +36,7 @@ import lightning_zero
 from lightning_zero.comm import collectives as comm
 from lightning_zero.demo.model import CharGPT, CharGPTModule
 from lightning_zero.tensor_parallel import GPT_PLAN, ColwiseParallel
+from lightning_zero.zero.checkpoint import read_meta, read_metadata
 from lightning_zero.zero.stage12 import ShardedOptimizer
 from tests.helpers.parity import max_abs_diff, quiet_trainer
 from tests.helpers.workers import run_workers
@@ -363,6 +365,81 @@ def test_checkpoint_is_the_whole_unparallelized_model_and_resumes_bit_identicall
         assert int(state["step"]) == int(one_process[index]["step"])
         for key in ("exp_avg", "exp_avg_sq"):
             assert (state[key] - one_process[index][key]).abs().max() < TOLERANCE, (index, key)
+
+
+def _sharded_save_and_resume(directory: str, zero_stage: int) -> dict:
+    """On 2 replicas x 2 tensor-parallel ranks under ``zero_stage``: fit 1 epoch (``ModelCheckpoint`` saving a sharded
+    directory at its end, the module still parallelized), then save a sharded directory and a full file of the whole
+    module after the fit (counting the tensor-parallel state gathers of each); resume the in-fit directory for a
+    second epoch, fit 2 epochs straight; then resume the after-fit directory and the file at other layouts
+    (tensor-parallel size 4; ZeRO-3 or zero_stage 0 at 2 x 2)."""
+    gathers = {}
+
+    def run(epochs: int, ckpt_path: str | None, tp: int = 2, stage: int = zero_stage) -> dict[str, torch.Tensor]:
+        L.seed_everything(SEED, verbose=False)
+        module = make_module()
+        strategy = lightning_zero.TensorParallelStrategy(
+            tp, GPT_PLAN, plan_root="net", zero_stage=stage, state_dict_type="sharded"
+        )
+        saving = ckpt_path is None and epochs == 1
+        callbacks = [ModelCheckpoint(dirpath=directory, filename="in_fit")] if saving else []
+        trainer = quiet_trainer(
+            strategy,
+            devices=4,
+            max_epochs=epochs,
+            gradient_clip_val=CLIP,
+            enable_checkpointing=saving,
+            callbacks=callbacks,
+        )
+        trainer.fit(module, DataLoader(make_dataset(4 // tp), batch_size=BATCH), ckpt_path=ckpt_path)
+        if saving:
+            for kind, path in (("sharded", f"{directory}/epoch1"), ("full", f"{directory}/epoch1.ckpt")):
+                strategy.state_dict_type, before = kind, comm.LEDGER.calls("all_gather", "tp_state")
+                trainer.save_checkpoint(path)
+                gathers[kind] = comm.LEDGER.calls("all_gather", "tp_state") - before
+        return {k: v.detach().clone() for k, v in module.net.state_dict().items()}
+
+    run(1, None)
+    other_stage = 3 if zero_stage == 0 else 0
+    return {
+        "resumed": run(2, f"{directory}/in_fit.ckpt"),
+        "straight": run(2, None),
+        "tp4": (run(2, f"{directory}/epoch1", tp=4, stage=0), run(2, f"{directory}/epoch1.ckpt", tp=4, stage=0)),
+        "stage": (
+            run(2, f"{directory}/epoch1", stage=other_stage),
+            run(2, f"{directory}/epoch1.ckpt", stage=other_stage),
+        ),
+        "gathers": gathers,
+    }
+
+
+@pytest.mark.parametrize("zero_stage", [0, 3])
+def test_sharded_checkpoint_resumes_bit_identically_and_at_other_layouts(tmp_path, zero_stage):
+    """The directory holds every slice once, as the whole entry ([Note: tensor-parallel DTensors]); saving it gathers
+    nothing over the tensor-parallel group; a resume is bit-identical; at tensor-parallel size 4 or another ZeRO stage
+    it resumes as the full file of the same step does."""
+    results = run_workers(_sharded_save_and_resume, 4, str(tmp_path), zero_stage, timeout=240)
+    for rank, result in enumerate(results):
+        assert max_abs_diff(result["resumed"], result["straight"]) == 0.0
+        for key in ("tp4", "stage"):
+            from_directory, from_file = result[key]
+            assert max_abs_diff(from_directory, from_file) == 0.0, key
+        assert result["gathers"]["sharded"] == 0
+        assert result["gathers"]["full"] > 0 or (zero_stage and rank >= 2)  # ZeRO: replica 0 holds the whole state
+    meta = read_meta(tmp_path / "epoch1")
+    assert meta["parallel_layout"] == {
+        "strategy": "tensor_parallel_scratch",
+        "tensor_parallel_size": 2,
+        "replicas": 2,
+        "zero_stage": zero_stage,
+    }
+    saved = read_metadata(tmp_path / "epoch1").state_dict_metadata
+    full = torch.load(tmp_path / "epoch1.ckpt", weights_only=False)
+    for key, value in full["state_dict"].items():  # the whole entries; the fused q/k/v as 3 blocks
+        shape = (3, value.shape[0] // 3, *value.shape[1:]) if ".qkv." in key else tuple(value.shape)
+        assert tuple(saved[f"model.{key}"].size) == shape, key
+    name = "net.blocks.0.mlp.0.weight"
+    assert tuple(saved[f"optimizer_0.state.{name}.exp_avg"].size) == tuple(full["state_dict"][name].shape)
 
 
 # ---------------------------------------------------------------- refusals
