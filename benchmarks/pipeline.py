@@ -54,7 +54,7 @@ Step = Callable[[torch.Tensor, torch.Tensor], tuple[list[float], int]]
 
 
 def ours(layers: nn.Sequential, indices: range, rank: int, world: int, schedule: str, m: int) -> Step:
-    stage = PipelineStage(layers, indices, rank, list(range(world)), torch.device("cpu"))
+    stage = PipelineStage(layers, indices, rank, list(range(world)), torch.device("cpu"), measure_activations=True)
     actions = build(schedule, world, m)[rank]
 
     def step(x: torch.Tensor, y: torch.Tensor) -> tuple[list[float], int]:

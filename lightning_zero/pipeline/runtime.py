@@ -28,15 +28,15 @@ from which the receiver allocates; a gradient has its activation's shape. Everyt
 
 The stage also measures itself: each action's start, the moment its inputs had arrived, and its end
 (:attr:`PipelineStage.timeline`, ``time.perf_counter``, comparable across processes of one host), the most
-micro-batches held at once, and the bytes autograd saved for backward that were alive at once
-(:class:`ActivationMeter`).
+micro-batches held at once, and, when asked (``measure_activations=True``: a Python call per tensor autograd saves,
+so off by default), the bytes autograd saved for backward that were alive at once (:class:`ActivationMeter`).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Generator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -129,6 +129,7 @@ class PipelineStage:
         stage, ranks: this stage's index and the global rank of every stage.
         device: where received activations are allocated.
         group: the process group the point-to-point calls go through.
+        measure_activations: count the bytes autograd saves for backward on this stage (:attr:`meter`).
     """
 
     def __init__(
@@ -139,11 +140,12 @@ class PipelineStage:
         ranks: Sequence[int],
         device: torch.device,
         group: Any = None,
+        measure_activations: bool = False,
     ) -> None:
         self.layers, self.indices, self.stage, self.ranks = layers, indices, stage, list(ranks)
         self.device, self.group = device, group
         self.is_first, self.is_last = stage == 0, stage == len(self.ranks) - 1
-        self.meter = ActivationMeter()
+        self.meter = ActivationMeter() if measure_activations else None
         self.timeline: list[ActionTime] = []
         self.peak_micro_batches = 0
         self._inputs: dict[int, Tensor] = {}
@@ -165,12 +167,14 @@ class PipelineStage:
         micro-batch differentiates with weight ``micro-batch weight * loss_scale``. Returns the last stage's step
         outputs in micro-batch order (empty elsewhere)."""
         self.timeline, self.peak_micro_batches = [], 0
-        self.meter.reset(list(self.layers.parameters()))
+        if self.meter is not None:
+            self.meter.reset(list(self.layers.parameters()))
+        counting = self.meter.counting() if self.meter is not None else nullcontext()
         outputs: dict[int, Any] = {}
         losses: dict[int, Tensor] = {}
         training = any(kind == "B" for kind, _ in actions)
         try:
-            with self._patched_forward(), self.meter.counting():
+            with self._patched_forward(), counting:
                 for kind, m in actions:
                     start = self._ready = time.perf_counter()
                     if kind == "F":

@@ -126,6 +126,8 @@ class PipelineStrategy(ModelParallelStrategy):
             ``stages`` is the number of data-parallel replicas ([Note: data parallel x pipeline]).
         state_dict_type: ``"full"`` (default: one plain file, every stage's state gathered on rank 0) or
             ``"sharded"`` (a directory, each rank writing its stage's; [Note: sharded model-parallel checkpoints]).
+        measure_activations: count the bytes autograd saves for backward on each stage in each training step
+            (``trainer.strategy.stage.meter.peak``; a Python call per saved tensor, so off by default).
         **kwargs: ``process_group_backend``, ``timeout``, ``start_method`` (see
             :class:`~lightning_zero.strategies.base.ScratchParallelStrategy`).
     """
@@ -143,6 +145,7 @@ class PipelineStrategy(ModelParallelStrategy):
         model_init: str = "full",
         stages: int | None = None,
         state_dict_type: str = "full",
+        measure_activations: bool = False,
         **kwargs: Any,
     ) -> None:
         check_pipeline(1, micro_batches)
@@ -159,6 +162,7 @@ class PipelineStrategy(ModelParallelStrategy):
         self.micro_batches, self.schedule, self.layers_name = micro_batches, schedule, layers
         self.balance = list(balance) if balance is not None else None
         self.model_init, self.stages = model_init, stages
+        self.measure_activations = measure_activations
         self.stage: PipelineStage | None = None
         self._slices: list[range] = []
         self._init_rng_state: dict[str, Tensor] | None = None
@@ -246,7 +250,9 @@ class PipelineStrategy(ModelParallelStrategy):
             )
         for layer in others:
             placement.to_meta(layer)
-        self.stage = PipelineStage(layers, mine, index, self.groups.model_ranks, self.root_device)
+        self.stage = PipelineStage(
+            layers, mine, index, self.groups.model_ranks, self.root_device, measure_activations=self.measure_activations
+        )
         if fitting:
             self.setup_optimizers(trainer)
             _optimizers_to_device(self.optimizers, self.root_device)

@@ -271,6 +271,7 @@ class PipelineStrategyConf(_CheckedByItsStrategy):
     stages: Optional[int] = None
     model_init: str = "full"
     state_dict_type: str = "full"
+    measure_activations: bool = False
 
 
 @dataclass

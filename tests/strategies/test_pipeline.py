@@ -97,7 +97,8 @@ def test_training_matches_single_process(devices, kwargs, accumulate, clip):
 def _fit_replicas(config: ParityConfig) -> tuple[dict[str, torch.Tensor], dict]:
     strategy = pipeline(stages=2, micro_batches=2)
     weights = fit_lightning(config, strategy, devices=4)
-    return weights, {"grads": comm.LEDGER.calls("all_reduce", "grads"), "sampler": strategy.distributed_sampler_kwargs}
+    stats = {"grads": comm.LEDGER.calls("all_reduce", "grads"), "sampler": strategy.distributed_sampler_kwargs}
+    return weights, stats | {"metered": strategy.stage.meter is not None}
 
 
 def test_two_replicas_of_a_two_stage_pipeline_match_ddp_on_two_ranks():
@@ -109,6 +110,7 @@ def test_two_replicas_of_a_two_stage_pipeline_match_ddp_on_two_ranks():
         assert max_abs_diff(weights, reference) < 1e-5
         assert stats["sampler"] == {"num_replicas": 2, "rank": rank // 2}
         assert stats["grads"] == config.optimizer_steps  # one gradient all-reduce per window, none in between
+        assert not stats["metered"]  # measure_activations is off by default
 
 
 class BatchNormModule(ParityModule):
@@ -203,7 +205,7 @@ def test_logged_loss_validation_and_predictions_match_single_process():
 def _one_step(schedule: str, micro_batches: int) -> dict:
     config = ParityConfig(world_size=1, batch_size=8, batches_per_rank=1, max_epochs=1, gradient_clip_val=None)
     L.seed_everything(config.seed, verbose=False)
-    strategy = pipeline(schedule=schedule, micro_batches=micro_batches)
+    strategy = pipeline(schedule=schedule, micro_batches=micro_batches, measure_activations=True)
     trainer = make_trainer(config, strategy, devices=2, limit_train_batches=1)
     comm.LEDGER.reset()
     trainer.fit(ParityModule(config.lr), train_loader(config))

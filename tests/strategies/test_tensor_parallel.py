@@ -37,6 +37,7 @@ from lightning_zero.comm import collectives as comm
 from lightning_zero.demo.model import CharGPT, CharGPTModule
 from lightning_zero.tensor_parallel import GPT_PLAN, ColwiseParallel
 from lightning_zero.zero.checkpoint import read_meta, read_metadata
+from lightning_zero.zero.stage3.engine import ShardedParams
 from lightning_zero.zero.stage12 import ShardedOptimizer
 from tests.helpers.parity import max_abs_diff, quiet_trainer
 from tests.helpers.workers import run_workers
@@ -113,6 +114,7 @@ class Recorder(L.Callback):
         self.losses: list[float] = []
         self.ledger: list[dict[str, int]] = []
         self.memory: dict[str, int] = {}
+        self.validated: list[int] = []  # ZeRO-3: the bytes left gathered after each validation of the fit
 
     def _counts(self) -> dict[str, int]:
         return {tag: comm.LEDGER.calls("all_reduce", tag) for tag in self.TAGS} | {
@@ -131,6 +133,11 @@ class Recorder(L.Callback):
         pool = engine.reducer.buffers if stage12 and engine.reducer.transient else []
         pool_bytes = sum(t.untyped_storage().nbytes() for t in pool)
         self.memory = trainer.strategy.model_state_bytes().as_dict() | {"pool": pool_bytes}
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        engine = trainer.strategy.engine
+        if isinstance(engine, ShardedParams) and trainer.state.fn == "fit":  # ZeRO-3's gathered (unsharded) bytes
+            self.validated.append(sum(s.full.untyped_storage().nbytes() for s in engine.segments))
 
 
 def _fit(devices: int, strategy: dict | str, accumulate: int, clip: float | None, module_cls=CharGPTModule) -> dict:
@@ -153,12 +160,14 @@ def _fit(devices: int, strategy: dict | str, accumulate: int, clip: float | None
         gradient_clip_val=clip,
         callbacks=[recorder],
     )
-    trainer.fit(module, DataLoader(make_dataset(replicas), batch_size=BATCH))
+    loader = DataLoader(make_dataset(replicas), batch_size=BATCH)
+    trainer.fit(module, loader, val_dataloaders=loader)  # validation between epochs: ZeRO-3 frees what it gathered
     return {
         "weights": {k: v.detach().clone() for k, v in module.net.state_dict().items()},
         "losses": recorder.losses,
         "ledger": recorder.ledger,
         "memory": recorder.memory,
+        "after_validation": recorder.validated,
         "norms": norms,
         "sampler": trainer.strategy.distributed_sampler_kwargs,
         "n_head": [block.n_head for block in module.net.blocks],
@@ -292,6 +301,7 @@ def test_zero_stage_3_shards_the_slices_and_keeps_the_tensor_parallel_traffic(ze
         memory, base = zero_stage_fits[3][rank]["memory"], plain["memory"]
         for key in ("params", "grads", "optimizer"):
             assert memory[key] / base[key] == pytest.approx(0.5, abs=0.01), (key, rank)
+        assert zero_stage_fits[3][rank]["after_validation"] == [0] * EPOCHS  # nothing left gathered
         tp_traffic = ("tp", "tp bytes", "tp/grad_norm")
         for sharded, whole in zip(zero_stage_fits[3][rank]["ledger"], plain["ledger"]):
             assert {k: sharded[k] for k in tp_traffic} == {k: whole[k] for k in tp_traffic}
