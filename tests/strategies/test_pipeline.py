@@ -541,7 +541,8 @@ def test_lightning_boring_model_trains_as_under_lightning_ddp():
 
 
 # ---------------------------------------------------------------- launchers
-@pytest.mark.parametrize("name", ["pipeline_scratch", pytest.param("pipeline_scratch_spawn", marks=pytest.mark.slow)])
+@pytest.mark.slow  # 22 s for popen; the other multi-process tests here run the strategy in forked workers
+@pytest.mark.parametrize("name", ["pipeline_scratch", "pipeline_scratch_spawn"])
 def test_launched_as_a_script(tmp_path, name):
     """Lightning's popen launcher (the script re-run for rank 1) and the spawn launcher (rank 0's weights back in the
     launching process, whole after the fit)."""
