@@ -94,7 +94,8 @@ over the data group under ZeRO) is a DTensor of the whole entry ([Note: tensor-p
 parameter name ([Note: sharded model-parallel checkpoints] in ``lightning_zero/strategies/model_parallel.py``), so it
 loads at any tensor-parallel size, number of replicas or ZeRO stage, each rank reading only its slices. Either kind
 loads after ``setup``, whatever ``state_dict_type``: each rank keeps its slices of the weights and of the optimizer
-state (and under ZeRO its shard of them). A resume is bit-identical to an uninterrupted run.
+state (and under ZeRO its shard of them). A resume is bit-identical to an uninterrupted run. [Note: tensor-parallel
+checkpoint state] in ``lightning_zero/strategies/tensor_parallel_state.py`` has the details.
 
 **After fit, validate, test or predict** the module is the whole model again (``teardown`` gathers every slice back
 with :func:`unparallelize`, new ``nn.Parameter`` objects, and removes ``tensor_parallel_group``), as under ``ddp``:
@@ -121,35 +122,23 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor, nn
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero.comm import collectives as comm
 from lightning_zero.dp.reducer import GradientReducer
-from lightning_zero.strategies.model_parallel import (
-    ModelParallelStrategy,
-    check_state_dict_type,
-    optimizer_state_template,
-    rekey_optimizer_state,
-)
+from lightning_zero.strategies.model_parallel import ModelParallelStrategy, check_state_dict_type
+from lightning_zero.strategies.tensor_parallel_state import SliceState
 from lightning_zero.tensor_parallel import (
     Style,
-    full_state_dict,
     parallelize,
-    shard_state_dict,
     sharded_entries,
     unparallelize,
-    unshard,
 )
-from lightning_zero.tensor_parallel.checkpoint import checkpoint_shape, template, to_dtensor
 from lightning_zero.tensor_parallel.layers import TensorParallelModule
-from lightning_zero.tensor_parallel.plan import slice_of
-from lightning_zero.training.checkpoint_checks import shapes_of
 from lightning_zero.training.distributed import TENSOR_PARALLEL_NAMES, check_bucket_size
 from lightning_zero.training.mesh import new_data_groups, new_groups
 from lightning_zero.training.precision import PrecisionPolicy
-from lightning_zero.zero import stage12_state
 from lightning_zero.zero.grad_norm import shard_grad_norms
 from lightning_zero.zero.hybrid import ShardingGroups
 from lightning_zero.zero.settings import ZeroSettings, build_stage3, build_stage12
@@ -465,146 +454,43 @@ class TensorParallelStrategy(ModelParallelStrategy):
         """Checkpoints load into the parallelized module and its (sharded) optimizer: each rank keeps its slices."""
         return True
 
+    def _state(self) -> SliceState:
+        """The checkpoint state of the module's slices under this fit's engine ([Note: tensor-parallel checkpoint
+        state] in ``lightning_zero/strategies/tensor_parallel_state.py``)."""
+        module, parallelized = self.lightning_module, self._applied is not None
+        return SliceState(module, self._engine, self._entries, self._shards, self._names_of, parallelized)
+
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The whole model's weights in the unparallelized layout (``"full"``: a collective over each tensor-parallel
-        group), or each slice as a DTensor (``"sharded"``); ZeRO-3 first gathers each slice over its data group."""
-        module, engine = self.lightning_module, self._engine
-        gathered = engine.summon_full_params() if isinstance(engine, ShardedParams) else nullcontext()
-        with gathered:
-            if self.state_dict_type == "full":
-                return {k: v.detach().cpu() for k, v in full_state_dict(module).items()}
-            state = {k: v.detach().clone() for k, v in module.state_dict().items()}
-        for key, (layer, dim) in self._entries.items():  # after a fit the module is whole: sliced like the fit's
-            local = state[key] if self._applied is not None else slice_of(state[key], layer, dim)
-            state[key] = to_dtensor(local, layer, dim)
-        return state
+        """The whole model's weights (``"full"``), or each slice as a DTensor of the whole entry (``"sharded"``)."""
+        return self._state().model_state(sharded=self.state_dict_type == "sharded")
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """The optimizer's state with each sharded parameter's state tensors gathered to the full shape (a
-        collective over each tensor-parallel group). Under ZeRO the state of this rank's slice is first gathered
-        over the data-parallel group into its first rank, the rank of replica 0 (a collective over each data-parallel
-        group); the other replicas' ranks return no ``"state"``, as they write no file."""
-
-        def gather(value: Any, p: Tensor, layer: TensorParallelModule, dim: int) -> Any:
-            if isinstance(value, Tensor) and value.shape == p.shape:
-                return unshard(value.to(p.device), dim, layer.group, layer.chunks)
-            return value
-
-        def as_dtensor(value: Any, p: Tensor, layer: TensorParallelModule, dim: int) -> Any:
-            return to_dtensor(value, layer, dim) if isinstance(value, Tensor) and value.shape == p.shape else value
-
-        engine, params = self._engine, self._state_params(optimizer)
-        if isinstance(engine, ShardedParams):
-            state = sp_state.optimizer_state_dict(engine, sharded=False)
-        else:
-            state = stage12_state.full_state_dict(engine) if engine is not None else optimizer.state_dict()
-        if self.state_dict_type == "full":
-            return self._map_state(params, state, gather)
-        return rekey_optimizer_state(self._map_state(params, state, as_dtensor), dict(enumerate(self._names(params))))
+        """The optimizer's state of the whole model (``"full"``), or of this rank's slices as DTensors by name
+        (``"sharded"``); under ZeRO the other replicas' ranks return no ``"state"`` (replica 0's ranks hold it)."""
+        return self._state().optimizer_state(optimizer, sharded=self.state_dict_type == "sharded")
 
     @override
     def sharded_templates(self, metadata: Metadata) -> dict[str, Any]:
-        """This rank's slices (DTensor templates) and replicated entries the checkpoint holds and, in a fit, the
-        optimizer state of this rank's slices by parameter name."""
-        module, saved = self.lightning_module, metadata.state_dict_metadata
-        entries, state = sharded_entries(module), self._local_state()
-        model = {
-            k: template(v, *entries[k]) if k in entries else torch.empty(v.shape, dtype=v.dtype, device=v.device)
-            for k, v in state.items()
-            if f"model.{k}" in saved
-        }
-        tensors: dict[str, Any] = {"model": model}
-        if self._fitting and self.optimizers:
-            params = self._state_params(self.optimizers[0])
-            named = optimizer_state_template(self._names(params), metadata, "optimizer_0")
-            for name, p in zip(self._names(params), params):
-                if id(p) in self._shards and name in named:
-                    layer, dim = self._shards[id(p)]
-                    full = checkpoint_shape(p, layer, dim)
-                    named[name] = {
-                        key: template(p, layer, dim, v.dtype) if isinstance(v, Tensor) and v.shape == full else v
-                        for key, v in named[name].items()
-                    }
-            tensors["optimizer_0"] = {"state": named}
-        return tensors
+        """This rank's slices and the replicated entries and, in a fit, its slices' optimizer state by name."""
+        return self._state().templates(metadata, self.optimizers[0] if self._fitting and self.optimizers else None)
 
     @override
     def _full_model_shapes(self) -> dict[str, tuple[int, ...]]:
-        """The unparallelized model's shapes: each slice's split dimension times the tensor-parallel size."""
-        shapes = shapes_of(self._local_state())
-        for key, (layer, dim) in sharded_entries(self.lightning_module).items():
-            shapes[key] = (*shapes[key][:dim], shapes[key][dim] * layer.tp_size, *shapes[key][dim + 1 :])
-        return shapes
-
-    def _local_state(self) -> dict[str, Tensor]:
-        """The module's state dict as it is on this rank, its slices' local shapes (ZeRO-3: the placeholders', only
-        the keys and shapes are to be read)."""
-        engine = self._engine
-        with engine.reading_placeholders() if isinstance(engine, ShardedParams) else nullcontext():
-            return self.lightning_module.state_dict(keep_vars=True)
-
-    def _names(self, params: list[Tensor]) -> list[str]:
-        """The names of ``params``, parameters the optimizers were built over (also after the fit)."""
-        return [self._names_of[id(p)] for p in params]
+        return self._state().full_shapes()
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        """A whole-model state dict (sliced here) or this rank's slices of a sharded checkpoint, into the module, or
-        under ZeRO-3 into its shards."""
-        module, engine = self.lightning_module, self._engine
-        state = shard_state_dict(module, checkpoint["state_dict"])
-        if isinstance(engine, ShardedParams) and not engine.released:
-            sp_state.load_model_state_dict(engine, state, strict)
-            return
-        module.load_state_dict(state, strict=strict)
-        if isinstance(engine, ShardedOptimizer):
-            engine.sync_after_load()  # its shards from the loaded parameters
+        """A whole-model state dict or this rank's slices, into the module (ZeRO-3: into its shards)."""
+        self._state().load_model(checkpoint["state_dict"], strict)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        """Each optimizer's whole-model state, each sharded parameter's state tensors sliced like the parameter."""
-
-        def slice_(value: Any, p: Tensor, layer: TensorParallelModule, dim: int) -> Any:
-            full = list(p.shape)
-            full[dim] *= layer.tp_size
-            if isinstance(value, DTensor) or (isinstance(value, Tensor) and list(value.shape) == full):
-                return slice_of(value, layer, dim)
-            return value
-
+        """Each optimizer's state of the whole model or of this rank's slices, sliced like the parameters."""
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
-            params = self._state_params(optimizer)
-            if any(isinstance(k, str) for group in state["param_groups"] for k in group["params"]):  # by name
-                state = rekey_optimizer_state(state, {name: i for i, name in enumerate(self._names(params))})
-            sliced = self._map_state(params, state, slice_)
-            if isinstance(self._engine, ShardedParams):
-                sp_state.load_optimizer_state_dict(self._engine, sliced, sliced["param_groups"])
-            elif self._engine is not None:
-                stage12_state.load_full_state_dict(self._engine, sliced)  # each rank keeps its ZeRO shard of it
-            else:
-                optimizer.load_state_dict(sliced)
+            self._state().load_optimizer(optimizer, state)
         _optimizers_to_device(self.optimizers, self.root_device)
-
-    def _state_params(self, optimizer: Optimizer) -> list[Tensor]:
-        """The parameters an unsharded state dict of ``optimizer`` numbers, in order: under ZeRO the module's slices
-        it was built over (its param groups now hold the engine's shards)."""
-        if isinstance(self._engine, ShardedParams):
-            return [p for group in self._engine.original_groups for p in group]
-        if self._engine is not None:
-            return [p for g in self._engine.groups for p in g.original_params]
-        return [p for group in optimizer.param_groups for p in group["params"]]
-
-    def _map_state(self, params: list[Tensor], state: Mapping[str, Any], fn: Any) -> dict[str, Any]:
-        """``state`` (an optimizer state dict numbering ``params``) with ``fn(value, p, layer, dim)`` applied to every
-        state value of each sharded parameter ``p``, in parameter order (the same on every rank); ``state``'s own
-        dicts are not changed (``optimizer.state_dict()`` shares them with the live state)."""
-        per_param = dict(state["state"])
-        for index, p in enumerate(params):
-            if index in per_param and id(p) in self._shards:
-                layer, dim = self._shards[id(p)]
-                per_param[index] = {key: fn(value, p, layer, dim) for key, value in per_param[index].items()}
-        return {**state, "state": per_param}
 
 
 def _resolve(plan: Mapping[str, Style] | str) -> dict[str, Style]:
