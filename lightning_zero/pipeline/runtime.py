@@ -152,6 +152,8 @@ class PipelineStage:
         self._outputs: dict[int, Tensor] = {}
         self._sends: list[tuple[comm.Handle, Tensor]] = []
         self._current: int | None = None
+        self._headers_left = 0  # activations still to receive in this run
+        self._next_header: tuple[Tensor, comm.Handle] | None = None  # its header's receive, posted ahead
         self._ready = 0.0
 
     # ------------------------------------------------------------ one run of a schedule
@@ -173,6 +175,7 @@ class PipelineStage:
         outputs: dict[int, Any] = {}
         losses: dict[int, Tensor] = {}
         training = any(kind == "B" for kind, _ in actions)
+        self._headers_left = 0 if self.is_first else sum(kind == "F" for kind, _ in actions)
         try:
             with self._patched_forward(), counting:
                 for kind, m in actions:
@@ -190,6 +193,7 @@ class PipelineStage:
             for handle, _ in self._sends:
                 handle.wait()
             self._sends, self._inputs, self._outputs, self._current = [], {}, {}, None
+            self._next_header = None  # posted only while activations are still to come: none after a full run
         return [outputs[m] for m in sorted(outputs)]
 
     def _run_forward(self, m: int, micro_batch: Any, step: Callable[[Any], Any]) -> Any:
@@ -265,13 +269,21 @@ class PipelineStage:
 
     def _receive_activation(self) -> Tensor:
         previous = self.ranks[self.stage - 1]
-        header = torch.empty(HEADER_SLOTS, dtype=torch.int64)
-        self._recv(header, previous, "pipeline/header")
+        header, pending = self._next_header or self._post_header(previous)
+        pending.wait()
         dtype, requires_grad, shape = decode_header(header)
         x = torch.empty(shape, dtype=dtype, device=self.device)
         self._recv(x, previous, "pipeline/activation")
         self._ready = time.perf_counter()
+        self._headers_left -= 1
+        # The next activation's header is received ahead: when its forward comes, only the activation itself is
+        # waited for (one message on the critical path instead of two).
+        self._next_header = self._post_header(previous) if self._headers_left > 0 else None
         return x.requires_grad_(requires_grad and torch.is_grad_enabled())
+
+    def _post_header(self, src: int) -> tuple[Tensor, comm.Handle]:
+        header = torch.empty(HEADER_SLOTS, dtype=torch.int64, device=self.device)
+        return header, comm.recv(header, src, group=self.group, tag="pipeline/header")
 
     # ------------------------------------------------------------ point to point
     def _send(self, tensor: Tensor, dst: int, tag: str) -> None:

@@ -94,13 +94,11 @@ def encode_header(tensor: Tensor) -> Tensor:
             f"pipeline_scratch: a stage output of dtype {tensor.dtype} and {tensor.dim()} dimensions cannot cross a"
             f" stage boundary: expected one of {[str(d) for d in _DTYPES]} and at most {HEADER_SLOTS - 3} dimensions"
         )
-    header = torch.zeros(HEADER_SLOTS, dtype=torch.int64)
-    header[0], header[1], header[2] = _DTYPES.index(tensor.dtype), tensor.requires_grad, tensor.dim()
-    header[3 : 3 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
-    return header
+    values = [_DTYPES.index(tensor.dtype), int(tensor.requires_grad), tensor.dim(), *tensor.shape]
+    return torch.tensor(values + [0] * (HEADER_SLOTS - len(values)), dtype=torch.int64)  # one op: it runs per send
 
 
 def decode_header(header: Tensor) -> tuple[torch.dtype, bool, tuple[int, ...]]:
     """The dtype, ``requires_grad`` and shape of :func:`encode_header`."""
-    dtype, requires_grad, ndim = _DTYPES[int(header[0])], bool(header[1]), int(header[2])
-    return dtype, requires_grad, tuple(int(n) for n in header[3 : 3 + ndim])
+    code, requires_grad, ndim, *sizes = header.tolist()
+    return _DTYPES[code], bool(requires_grad), tuple(sizes[:ndim])
