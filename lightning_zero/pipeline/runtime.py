@@ -22,8 +22,9 @@ the result and the step computes the loss.
 Sends are asynchronous and waited on only at the end of the run: a stage never blocks on a send, only on the
 receive of an input its next action needs, so any schedule :func:`lightning_zero.pipeline.schedule.simulate` accepts
 runs without deadlock. Each activation goes with a header (:func:`lightning_zero.pipeline.stages.encode_header`)
-from which the receiver allocates; a gradient has its activation's shape. Everything crosses through
-:mod:`lightning_zero.comm.collectives` (ledger tags ``pipeline/header``, ``pipeline/activation``,
+from which the receiver allocates (the next header's receive is posted as soon as an activation arrives, so that only
+the activation itself is waited for when its forward comes); a gradient has its activation's shape. Everything
+crosses through :mod:`lightning_zero.comm.collectives` (ledger tags ``pipeline/header``, ``pipeline/activation``,
 ``pipeline/gradient``).
 
 The stage also measures itself: each action's start, the moment its inputs had arrived, and its end
