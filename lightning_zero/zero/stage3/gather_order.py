@@ -92,8 +92,9 @@ class GatherOrder:
         group: the data process group (``None``: the default group); the exchanges run on a gloo group over its
             ranks.
         timeout: of that gloo group (``None``: torch's default).
-        check_group: that gloo group, created by the caller (``None``: created here, a collective over the world
-            with ``group``'s ranks, which the caller must then create on every rank with the same ranks).
+        check_group: that gloo group, created by the caller; ``None``: created here with
+            ``torch.distributed.new_group``, which every rank must call with the same ranks, so only right when every
+            rank's engine shards over the same group (not for ``tensor_parallel_scratch``'s one group per slice).
     """
 
     def __init__(
