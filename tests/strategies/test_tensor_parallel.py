@@ -27,6 +27,7 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
 from torch.nn import functional as F
@@ -327,6 +328,33 @@ class PlainLossModule(CharGPTModule):
 def test_registered_name_with_the_module_plan_and_a_gathered_head():
     results = run_workers(_fit, 2, 2, "tensor_parallel_scratch", 2, None, PlainLossModule, timeout=120)
     _check_fit(results, replicas=1, accumulate=2, clip=None)
+
+
+class TensorParallelBoringModel(BoringModel):
+    """Lightning's ``BoringModel`` with a plan: its ``Linear(32, 2)`` split by output feature, the output gathered
+    (the unchanged loss sees the whole prediction)."""
+
+    def tensor_parallel_plan(self) -> dict:
+        return {"layer": ColwiseParallel(gather_output=True)}
+
+
+def _fit_boring(strategy: str | dict, devices: int) -> tuple[dict[str, torch.Tensor], list[dict]]:
+    L.seed_everything(0, verbose=False)
+    module = TensorParallelBoringModel()
+    strategy = lightning_zero.TensorParallelStrategy(**strategy) if isinstance(strategy, dict) else strategy
+    trainer = quiet_trainer(strategy, devices=devices, max_epochs=2, num_sanity_val_steps=2, limit_val_batches=2)
+    trainer.fit(module)
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}, trainer.test(module, verbose=False)
+
+
+@pytest.mark.parametrize("zero_stage", [0, 3])
+def test_lightning_boring_model_trains_as_under_lightning_ddp(zero_stage):
+    """2 replicas x 2 tensor-parallel ranks against Lightning's ``ddp`` on 2 ranks (the same batches per replica)."""
+    ((ddp_weights, ddp_tested), _) = run_workers(_fit_boring, 2, "ddp", 2, timeout=120)
+    strategy = {"tensor_parallel_size": 2, "zero_stage": zero_stage}
+    for weights, tested in run_workers(_fit_boring, 4, strategy, 4, timeout=120):
+        assert max_abs_diff(weights, ddp_weights) < 1e-6
+        assert tested == ddp_tested
 
 
 # ---------------------------------------------------------------- checkpoints
