@@ -98,6 +98,14 @@ def rekey_optimizer_state(state: dict[str, Any], keys: Mapping[Any, Any]) -> dic
     }
 
 
+def by_position(state: Mapping[str, Any], names: Sequence[str]) -> dict[str, Any]:
+    """An optimizer state read from a file (keyed by position) or a sharded checkpoint (keyed by name, as
+    :func:`rekey_optimizer_state` wrote it), keyed by position; ``names``: the parameters' names in position order."""
+    if any(isinstance(k, str) for group in state["param_groups"] for k in group["params"]):
+        return rekey_optimizer_state(dict(state), {name: i for i, name in enumerate(names)})
+    return dict(state)
+
+
 def optimizer_state_template(names: Sequence[str], metadata: Metadata, prefix: str) -> dict[str, dict[str, Any]]:
     """What DCP loads the saved state of the parameters ``names`` into (``<prefix>.state.<name>.<key>`` in the index
     ``metadata`` of a sharded checkpoint): CPU tensors of the saved shape and dtype, ``None`` for other values."""

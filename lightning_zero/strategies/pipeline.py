@@ -95,6 +95,7 @@ from lightning_zero.pipeline.schedule import SCHEDULES, Action, build, check_pip
 from lightning_zero.pipeline.stages import check_parameters, partition, split_batch
 from lightning_zero.strategies.model_parallel import (
     ModelParallelStrategy,
+    by_position,
     check_state_dict_type,
     optimizer_state_template,
     parameter_names,
@@ -499,9 +500,7 @@ class PipelineStrategy(ModelParallelStrategy):
         """Each optimizer's state for this stage's parameters, keyed by position (a file) or by name (a sharded
         checkpoint)."""
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
-            if any(isinstance(k, str) for group in state["param_groups"] for k in group["params"]):
-                names = parameter_names(optimizer, self.lightning_module)
-                state = rekey_optimizer_state(state, {name: i for i, name in enumerate(names)})
+            state = by_position(state, parameter_names(optimizer, self.lightning_module))
             optimizer.load_state_dict(placement.select_optimizer_state(state, placement.owned_positions(optimizer)))
 
     @override

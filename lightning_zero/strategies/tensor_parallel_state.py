@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from lightning_zero.strategies.model_parallel import optimizer_state_template, rekey_optimizer_state
+from lightning_zero.strategies.model_parallel import by_position, optimizer_state_template, rekey_optimizer_state
 from lightning_zero.tensor_parallel import full_state_dict, shard_state_dict, unshard
 from lightning_zero.tensor_parallel.checkpoint import checkpoint_shape, template, to_dtensor
 from lightning_zero.tensor_parallel.layers import TensorParallelModule
@@ -161,9 +161,7 @@ class SliceState:
             return value
 
         params = self.params(optimizer)
-        if any(isinstance(k, str) for group in state["param_groups"] for k in group["params"]):  # by name
-            state = rekey_optimizer_state(dict(state), {name: i for i, name in enumerate(self._names(params))})
-        sliced = self._map(params, state, slice_)
+        sliced = self._map(params, by_position(state, self._names(params)), slice_)
         if isinstance(self.engine, ShardedParams):
             sp_state.load_optimizer_state_dict(self.engine, sliced, sliced["param_groups"])
         elif self.engine is not None:

@@ -9,6 +9,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from lightning_zero.strategies.model_parallel import (
+    by_position,
     check_state_dict_type,
     optimizer_state_template,
     parameter_names,
@@ -38,6 +39,8 @@ def test_optimizer_state_keyed_by_name_and_back():
     assert sorted(named["state"]) == sorted(names) and named["param_groups"][1]["params"] == ["0.bias", "2.bias"]
     assert named["state"]["0.weight"]["exp_avg"] is state["state"][1]["exp_avg"]
     assert_optimizer_states_equal(rekey_optimizer_state(named, {n: i for i, n in enumerate(names)}), state)
+    assert_optimizer_states_equal(by_position(named, names), state)  # what a load does with either kind
+    assert_optimizer_states_equal(by_position(state, names), state)
     with pytest.raises(ValueError, match=r"parameters \['2.bias'\], which this model does not have"):
         rekey_optimizer_state(named, {name: i for i, name in enumerate(names[:-1])})
 
