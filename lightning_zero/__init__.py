@@ -15,6 +15,7 @@ from lightning_zero import fabric
 from lightning_zero.strategies import (
     PipelineStrategy,
     RobustDDPStrategy,
+    RobustZeroStrategy,
     ScratchDDPStrategy,
     ScratchParallelStrategy,
     TensorParallelStrategy,
@@ -27,6 +28,7 @@ __version__ = "0.1.0.dev0"
 
 ScratchDDPStrategy.register_strategies(StrategyRegistry)
 RobustDDPStrategy.register_strategies(StrategyRegistry)
+RobustZeroStrategy.register_strategies(StrategyRegistry)
 ZeroStrategy.register_strategies(StrategyRegistry)
 PipelineStrategy.register_strategies(StrategyRegistry)
 TensorParallelStrategy.register_strategies(StrategyRegistry)
@@ -39,6 +41,7 @@ __all__ = [
     "Preempted",
     "PreemptionCheckpoint",
     "RobustDDPStrategy",
+    "RobustZeroStrategy",
     "RunStats",
     "ScratchDDPStrategy",
     "ScratchParallelStrategy",

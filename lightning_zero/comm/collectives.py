@@ -426,6 +426,47 @@ def reduce_scatter_quantized(
     return _finish(works, async_op, then=combine)
 
 
+Pieces = Tensor | Sequence[Tensor]
+"""What :func:`all_to_all` exchanges with one peer: a tensor, or several (each a message of its own)."""
+
+
+def all_to_all(
+    outputs: Sequence[Pieces], inputs: Sequence[Pieces], *, group: Any = None, async_op: bool = False, tag: str = ""
+) -> Handle | None:
+    """Send ``inputs[q]`` to group rank ``q`` and receive group rank ``q``'s pieces into ``outputs[q]``, for every
+    ``q`` (this rank's own are copied). Each entry is a tensor or a list of tensors; sizes may differ from rank to
+    rank, but ``inputs[q]`` here must match ``outputs[me]`` on rank ``q`` piece by piece. Every piece must be
+    contiguous; ``inputs`` must stay untouched until the handle has been waited on. The ledger records what this rank
+    receives, as for an all-gather: the bytes of ``outputs``.
+
+    gloo's own ``all_to_all`` needs one piece of one size per peer, so on gloo each peer pair exchanges its pieces
+    point to point, all in flight at once (pieces of 0 elements are not sent); NCCL uses ``dist.all_to_all`` for
+    single pieces and batched point-to-point operations otherwise. Concurrent calls on one group must be started in
+    the same order on every rank.
+    """
+    n, me = world_size(group), rank(group)
+    if len(outputs) != n or len(inputs) != n:
+        raise ValueError(f"all_to_all got {len(inputs)} inputs and {len(outputs)} outputs: expected {n} of each")
+    outs = [[t] if isinstance(t, Tensor) else list(t) for t in outputs]
+    ins = [[t] if isinstance(t, Tensor) else list(t) for t in inputs]
+    LEDGER.record("all_to_all", tag, sum(_nbytes(t) for pieces in outs for t in pieces))
+    for out, piece in zip(outs[me], ins[me]):
+        if out.data_ptr() != piece.data_ptr():
+            out.copy_(piece)
+    if n == 1:
+        return _finish([], async_op)
+    if dist.get_backend(group) != "gloo" and all(len(p) == 1 for p in outs + ins):
+        work = dist.all_to_all([p[0] for p in outs], [p[0] for p in ins], group=group, async_op=True)
+        return _finish([work], async_op)
+    ops = []
+    for peer in (q for q in range(n) if q != me):
+        ops += [dist.P2POp(dist.isend, t, global_rank(peer, group), group) for t in ins[peer] if t.numel()]
+        ops += [dist.P2POp(dist.irecv, t, global_rank(peer, group), group) for t in outs[peer] if t.numel()]
+    if dist.get_backend(group) != "gloo":
+        return _finish(dist.batch_isend_irecv(ops) if ops else [], async_op)
+    return _finish([op.op(op.tensor, op.peer, group=op.group) for op in ops], async_op)
+
+
 def send(tensor: Tensor, dst: int, *, group: Any = None, tag: str = "") -> Handle:
     """Start sending ``tensor`` to global rank ``dst`` (point to point); ``tensor`` must stay untouched until the
     returned handle has been waited on. The ledger records ``("send", tag, bytes)``."""

@@ -40,7 +40,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero.fabric.base import ScratchFabricStrategy
-from lightning_zero.robust.engine import CHECKPOINT_KEY, SETTINGS, RobustFrontEnd, build_engine
+from lightning_zero.robust.engine import CHECKPOINT_KEY, SETTINGS, RobustEngine, RobustFrontEnd, build_engine
 from lightning_zero.training.distributed import ROBUST_NAMES
 
 
@@ -64,6 +64,11 @@ class RobustDDPStrategy(RobustFrontEnd, ScratchFabricStrategy):
         self.engine = build_engine(aggregator, **robust)
         super().__init__(master_weights=master_weights, **kwargs)
         self._worker: int | None = None  # the local worker of the current worker_batches iteration
+
+    @property
+    def robust_engine(self) -> RobustEngine:
+        """The robust engine: this strategy's gradient engine (``self.engine``)."""
+        return self.engine
 
     @property
     def metrics(self) -> dict[str, float]:

@@ -16,6 +16,9 @@ The pipeline, in order (pure functions from :mod:`~lightning_zero.robust.aggrega
 3. *pre-aggregators*, in the order given (``nnm``, ``bucketing``, ``clip``);
 4. the *rule*. ``centered_clipping`` starts from the previous step's result (its centre, kept in :meth:`state_dict`).
 
+Given a :class:`~lightning_zero.robust.shards.ColumnShard`, the same pipeline aggregates only the shard's columns of
+every worker's vector ([Note: sharded aggregation] in :mod:`lightning_zero.robust.shards`).
+
 Every rank runs the same pipeline on the same gathered stack (randomness from one seeded generator that every rank
 advances identically), so every rank computes the same aggregate.
 """
@@ -31,9 +34,17 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_zero.robust.aggregators import RULES, check_known, check_rule, drop_nonfinite
+from lightning_zero.robust.aggregators import (
+    RULES,
+    check_known,
+    check_rule,
+    drop_nonfinite,
+    sq_distance_to_mean,
+    unfiltered,
+)
 from lightning_zero.robust.attacks import ATTACKS, apply_attack, check_attack
 from lightning_zero.robust.preaggregators import PRE_AGGREGATORS, check_pre_aggregator
+from lightning_zero.robust.shards import ColumnShard
 
 StageSpec = str | Mapping[str, Any]
 """A pre-aggregator: its name, or a mapping with ``name`` and its parameters (``{"name": "bucketing", "s": 2}``)."""
@@ -141,44 +152,64 @@ class RobustAggregator:
         """Whether the simulated attack acts on the data (``label_flip``) rather than on the gradients."""
         return self.attack is not None and ATTACKS[self.attack].data_level
 
-    def __call__(self, stack: Tensor) -> AggregationResult:
+    def __call__(self, stack: Tensor, shard: ColumnShard | None = None) -> AggregationResult:
+        """Aggregate ``stack``, one row per worker: every column, or those of ``shard`` ([Note: sharded aggregation]
+        in :mod:`lightning_zero.robust.shards`), whose totals then make distances, norms and the metrics global."""
         if stack.shape[0] != self.n:
             raise ValueError(f"got {stack.shape[0]} worker vectors, validated for n={self.n}: call validate(n) first")
+        shard = shard if shard is not None else ColumnShard.whole(stack.shape[1])
+        total = shard.total
         byzantine = set(self.byzantine)
         honest = [i for i in range(stack.shape[0]) if i not in byzantine]
-        honest_mean = stack[honest].mean(dim=0)
+        sent = stack  # what the workers sent: the honest rows, which the metric measures against
         if self.attack is not None and not self.data_attack:
-            stack = apply_attack(self.attack, stack, self.byzantine, generator=self.generator, **self.attack_kwargs)
+            stack = apply_attack(
+                self.attack,
+                stack,
+                self.byzantine,
+                generator=self.generator,
+                columns=(shard.ranges, shard.width),
+                **self.attack_kwargs,
+            )
         start = time.perf_counter()
         f, kept, dropped = self.f, None, 0
         if self.filters_nonfinite:
-            finite, f, kept = drop_nonfinite(stack, self.f)
+            finite, f, kept = drop_nonfinite(stack, self.f, total)
             dropped = stack.shape[0] - finite.shape[0]
             stack = finite
         for name, kwargs in self.stages:
             spec = PRE_AGGREGATORS[name]
-            if spec.needs_generator:
-                kwargs = {**kwargs, "generator": self.generator}
+            kwargs = {**kwargs, **({"generator": self.generator} if spec.needs_generator else {})}
+            kwargs.update({"total": total} if spec.totals else {})
             stack = spec.fn(stack, f, **kwargs) if spec.needs_f else spec.fn(stack, **kwargs)
-        kwargs = dict(self.rule_kwargs)
-        if self.spec.stateful:
-            kwargs["center"] = self.center
-        vector = self.spec.fn(stack, f, **kwargs)
+        totals = {"total": total} if self.spec.totals else {}
+        kwargs = {**self.rule_kwargs, **totals}
+        picks = None
+        if self.spec.select is not None:  # the picks once: the vector from them, and the metric
+            picks = unfiltered(self.spec.select)(stack, f, **kwargs)
+            assert self.spec.from_picks is not None
+            vector = self.spec.from_picks(stack, picks, f)
+        else:
+            if self.spec.stateful:
+                kwargs["center"] = None if self.center is None else shard.take(self.center)
+            vector = unfiltered(self.spec.fn)(stack, f, **kwargs)
         seconds = time.perf_counter() - start
         if self.spec.stateful:
-            self.center = vector.detach().clone()
+            if self.center is None or self.center.shape[0] != shard.width:
+                self.center = vector.new_zeros(shard.width)
+            shard.put(self.center, vector.detach())
         selected = None
-        if self.spec.select is not None and all(PRE_AGGREGATORS[name].preserves_rows for name, _ in self.stages):
-            picks = self.spec.select(stack, f, **self.rule_kwargs)
+        if picks is not None and all(PRE_AGGREGATORS[name].preserves_rows for name, _ in self.stages):
             if kept is not None:
                 picks = kept[picks]
             selected = sum(int(i) in byzantine for i in picks.tolist()) / len(picks)
-        distance = float(torch.linalg.vector_norm(vector.float() - honest_mean.float()))
+        distance = float(total(sq_distance_to_mean(vector, sent, honest).reshape(1)).sqrt())
         return AggregationResult(vector, distance, selected, dropped, seconds)
 
     def state_dict(self) -> dict[str, Any]:
         """The rule's centre (``centered_clipping``) and the generator's state."""
-        return {"center": self.center, "generator": self.generator.get_state()}
+        center = None if self.center is None else self.center.clone()  # updated in place by the next step
+        return {"center": center, "generator": self.generator.get_state()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         center = state.get("center")

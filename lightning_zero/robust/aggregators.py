@@ -19,6 +19,11 @@ Conventions shared by every rule:
 * Rows holding NaN/Inf are certainly Byzantine: every robust rule (all but :func:`mean`) first drops them with
   :func:`drop_nonfinite` and lowers ``f`` by as many, and selection rules report rows in the *original* numbering.
   :func:`mean` is the unprotected baseline and does not filter: one NaN row poisons it, which is the point.
+* Rules that need sums over all coordinates (distances, norms) take ``total``, which turns sums over the coordinates
+  held here into sums over every coordinate; the default, :func:`whole`, is for a stack that holds them all. A rank
+  holding a column shard passes one that adds every shard's partial sums
+  (:class:`~lightning_zero.robust.shards.ColumnShard`, [Note: sharded aggregation]): everything else the rules do is
+  coordinate-wise, so the same functions aggregate a shard.
 * The rules do not enforce the tolerance bounds (``n > 2f``, ``n >= 2f+3``, ``n >= 4f+3``): :func:`check_rule`
   does, once, before training, and never lowers ``f`` silently.
 """
@@ -37,6 +42,39 @@ from typing import Any
 import torch
 from torch import Tensor
 
+Total = Callable[[Tensor], Tensor]
+"""Partial sums over the coordinates held here -> sums over every coordinate (the same shape)."""
+
+
+def whole(partial: Tensor) -> Tensor:
+    """The :data:`Total` of a stack that holds every coordinate: the partial sums are the sums."""
+    return partial
+
+
+def _sum_of(rows: list[Tensor]) -> Tensor:
+    """The rows added one after the other, into a new tensor."""
+    out = rows[0].clone()
+    for row in rows[1:]:
+        out += row
+    return out
+
+
+def mean_of_rows(x: Tensor, rows: list[int]) -> Tensor:
+    """The mean of the rows ``rows`` of ``x``, added one by one: no copy of those rows is made (``x[rows]`` would copy
+    them all, ``n x d`` values for a whole stack)."""
+    return _sum_of([x[i] for i in rows]).div_(len(rows))
+
+
+def sq_distance_to_mean(vector: Tensor, x: Tensor, rows: list[int]) -> Tensor:
+    """``||vector - mean of x's rows||^2`` (a scalar, accumulated in at least float32), column block by column block
+    (:data:`COLUMN_BLOCK`): no ``(d,)`` temporaries."""
+    dtype = _acc_dtype(x)
+    out = torch.zeros((), dtype=dtype, device=x.device)
+    for lo in range(0, x.shape[1], COLUMN_BLOCK):
+        hi = lo + COLUMN_BLOCK
+        out += (vector[lo:hi].to(dtype) - mean_of_rows(x[:, lo:hi], rows).to(dtype)).square().sum()
+    return out
+
 
 def _check_stack(x: Tensor) -> None:
     if not isinstance(x, Tensor) or x.dim() != 2:
@@ -54,7 +92,15 @@ def _acc_dtype(x: Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, torch.float32)
 
 
-def drop_nonfinite(x: Tensor, f: int) -> tuple[Tensor, int, Tensor]:
+def _finite_rows(x: Tensor) -> Tensor:
+    """Whether each row holds only finite values: its largest and smallest value are finite (``amax``/``amin``
+    propagate NaN). Two reductions, measured ~9x faster than ``torch.isfinite(x).all(dim=1)`` on one CPU thread."""
+    if x.shape[1] == 0:
+        return torch.ones(x.shape[0], dtype=torch.bool, device=x.device)
+    return torch.isfinite(x.amax(dim=1)) & torch.isfinite(x.amin(dim=1))
+
+
+def drop_nonfinite(x: Tensor, f: int, total: Total = whole) -> tuple[Tensor, int, Tensor]:
     """Drop the rows holding NaN or Inf, and lower ``f`` by as many.
 
     A non-finite row is certainly Byzantine, so removing ``k`` of them removes ``k`` from both ``n`` and ``f``:
@@ -64,6 +110,7 @@ def drop_nonfinite(x: Tensor, f: int) -> tuple[Tensor, int, Tensor]:
     Args:
         x: ``(n, d)`` worker vectors.
         f: the number of Byzantine workers to tolerate, >= 0.
+        total: see the module docstring: a row is dropped when it holds NaN or Inf in any shard.
 
     Returns:
         ``(finite, f_eff, kept)``: the finite rows (``x`` itself when all are finite), ``max(f - dropped, 0)`` and
@@ -75,7 +122,7 @@ def drop_nonfinite(x: Tensor, f: int) -> tuple[Tensor, int, Tensor]:
     _check_stack(x)
     _check_f(f)
     n = x.shape[0]
-    finite = torch.isfinite(x).all(dim=1)
+    finite = total((~_finite_rows(x)).to(_acc_dtype(x))) == 0
     kept = torch.nonzero(finite).flatten()
     dropped = n - kept.numel()
     if dropped == 0:
@@ -98,7 +145,8 @@ def _robust(*, selects: bool = False) -> Callable[[Callable[..., Tensor]], Calla
         def wrapper(*args: Any, **kwargs: Any) -> Tensor:
             bound = signature.bind(*args, **kwargs)
             bound.apply_defaults()
-            finite, f_eff, kept = drop_nonfinite(bound.arguments["x"], bound.arguments["f"])
+            total = bound.arguments.get("total", whole)
+            finite, f_eff, kept = drop_nonfinite(bound.arguments["x"], bound.arguments["f"], total)
             bound.arguments["x"], bound.arguments["f"] = finite, f_eff
             out = fn(*bound.args, **bound.kwargs)
             return kept[out] if selects else out
@@ -106,6 +154,13 @@ def _robust(*, selects: bool = False) -> Callable[[Callable[..., Tensor]], Calla
         return wrapper
 
     return decorate
+
+
+def unfiltered(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
+    """``fn`` without :func:`_robust`'s filter, for a caller that has dropped the non-finite rows already (the
+    :class:`~lightning_zero.robust.aggregation.RobustAggregator`): the rows it passes are all finite, so the filter
+    would only scan them again."""
+    return getattr(fn, "__wrapped__", fn)
 
 
 # --- parameter checks shared by the rules and check_rule ------------------------------------------------------------
@@ -134,12 +189,63 @@ def mean(x: Tensor, f: int = 0) -> Tensor:
     return x.mean(dim=0)
 
 
-def _middle(sorted_values: Tensor) -> Tensor:
-    """Median of values sorted along dim 0: the middle one, or the average of the two middle ones for even n."""
-    n = sorted_values.shape[0]
+def _middle(sorted_values: Tensor | list[Tensor]) -> Tensor:
+    """Median of values sorted along dim 0 (a tensor, or its rows): the middle one, or the average of the two middle
+    ones for even n."""
+    n = len(sorted_values)
     lo, hi = sorted_values[(n - 1) // 2], sorted_values[n // 2]
     # 0.5*lo + 0.5*hi rather than (lo+hi)/2: the sum can overflow in fp16; halving is exact, so equal rows stay exact
     return lo * 0.5 + hi * 0.5
+
+
+SORTING_NETWORK_MAX_ROWS = 64
+"""Up to this many rows, :func:`_sorted_columns` sorts with a comparator network, else with ``torch.sort``."""
+COLUMN_BLOCK = 1 << 15
+"""Columns sorted at once by :func:`_sorted_columns`: ``n x 32768`` values, cache-sized for the usual ``n``."""
+
+
+@functools.cache
+def sorting_network(n: int) -> tuple[tuple[int, int], ...]:
+    """The comparators ``(i, j)``, ``i < j``, of Batcher's odd-even merge sort of ``n`` values, in order: after
+    ``x[i], x[j] = min(x[i], x[j]), max(x[i], x[j])`` for each, ``x`` is sorted (19 comparators for ``n = 8``)."""
+    pairs = []
+    p = 1
+    while p < n:
+        k = p
+        while k >= 1:
+            for j in range(k % p, n - k, 2 * k):
+                for i in range(min(k, n - j - k)):
+                    if (i + j) // (2 * p) == (i + j + k) // (2 * p):
+                        pairs.append((i + j, i + j + k))
+            k //= 2
+        p *= 2
+    return tuple(pairs)
+
+
+def _sorted_columns(x: Tensor, reduce: Callable[[list[Tensor]], Tensor]) -> Tensor:
+    """``reduce`` of every column's values in ascending order, as one ``(d,)`` vector: ``reduce`` takes the ``n``
+    sorted rows of a block of columns and returns that block's result.
+
+    Column block by column block (:data:`COLUMN_BLOCK`), so the transient memory is ``n`` blocks, not a sorted copy of
+    ``x`` and its int64 indices as ``torch.sort(x, dim=0)`` makes. Up to :data:`SORTING_NETWORK_MAX_ROWS` rows the
+    block is sorted by :func:`sorting_network` with elementwise min/max (measured ~7x faster than ``torch.sort`` along
+    dim 0 for 8 rows of 13.7M columns on one CPU thread); the values are the same, finite inputs assumed (a NaN would
+    spread through min/max: the robust rules drop non-finite rows first).
+    """
+    n, d = x.shape
+    out = x.new_empty(d)
+    for lo in range(0, d, COLUMN_BLOCK):
+        block = x[:, lo : lo + COLUMN_BLOCK]
+        if n > SORTING_NETWORK_MAX_ROWS:
+            rows = list(torch.sort(block, dim=0).values)
+        else:
+            rows = [row.clone() for row in block]
+            for i, j in sorting_network(n):
+                low = torch.minimum(rows[i], rows[j])
+                torch.maximum(rows[i], rows[j], out=rows[j])
+                rows[i] = low
+        out[lo : lo + COLUMN_BLOCK] = reduce(rows)
+    return out
 
 
 @_robust()
@@ -151,7 +257,7 @@ def median(x: Tensor, f: int = 0) -> Tensor:
     ``median(-x) == -median(x)``, and does not favour the smaller side. ``f`` only sets how many dropped non-finite
     rows are forgiven; the median itself has no parameter.
     """
-    return _middle(torch.sort(x, dim=0).values)
+    return _sorted_columns(x, _middle)
 
 
 @_robust()
@@ -165,24 +271,33 @@ def trimmed_mean(x: Tensor, f: int) -> Tensor:
         return x.mean(dim=0)
     if n - 2 * f < 1:
         raise ValueError(f"trimmed_mean with n={n}, f={f} has nothing left: it needs n >= 2f+1 = {2 * f + 1}")
-    return torch.sort(x, dim=0).values[f : n - f].mean(dim=0)
+    return _sorted_columns(x, lambda rows: _sum_of(rows[f : n - f]).div_(n - 2 * f))
 
 
-def _pairwise_sq_dists(x: Tensor) -> Tensor:
-    """Exact ``(n, n)`` squared Euclidean distances, accumulated in at least float32.
+def _pairwise_sq_dists(x: Tensor, total: Total = whole) -> Tensor:
+    """Exact ``(n, n)`` squared Euclidean distances, accumulated in at least float32 (the coordinates held here summed,
+    then ``total``).
 
-    Row by row as ``((x_i - x_j) ** 2).sum()``: ``torch.cdist`` and the ``|a|^2 + |b|^2 - 2ab`` form lose the small
-    distances between close honest vectors to cancellation, and those are exactly what Krum ranks. Memory stays
-    ``O(n d)``: one block of differences at a time.
+    Pair by pair as ``((x_i - x_j) ** 2).sum()``: ``torch.cdist`` and the ``|a|^2 + |b|^2 - 2ab`` form lose the small
+    distances between close honest vectors to cancellation, and those are exactly what Krum ranks. Column block by
+    column block (:data:`COLUMN_BLOCK`): the differences stay cache-sized (measured ~6x faster than whole rows for 8
+    rows of 13.7M columns on one CPU thread), and the transient memory is ``n`` blocks.
     """
-    acc = x.to(_acc_dtype(x))
-    n = acc.shape[0]
-    dist = torch.zeros(n, n, dtype=acc.dtype, device=acc.device)
-    for i in range(n - 1):
-        row = (acc[i + 1 :] - acc[i]).square().sum(dim=1)
-        dist[i, i + 1 :] = row
-        dist[i + 1 :, i] = row
-    return dist
+    n = x.shape[0]
+    dtype = _acc_dtype(x)
+    dist = torch.zeros(n, n, dtype=dtype, device=x.device)
+    for lo in range(0, x.shape[1], COLUMN_BLOCK):
+        block = x[:, lo : lo + COLUMN_BLOCK].to(dtype)
+        for i in range(n - 1):
+            row = (block[i + 1 :] - block[i]).square().sum(dim=1)
+            dist[i, i + 1 :] += row
+            dist[i + 1 :, i] += row
+    return total(dist)
+
+
+def _row_norms(x: Tensor, total: Total = whole) -> Tensor:
+    """The L2 norm of every row of ``x`` (already in the accumulation dtype), over every coordinate."""
+    return total(x.square().sum(dim=1)).sqrt()
 
 
 def _krum_scores_from(dist: Tensor, f: int) -> Tensor:
@@ -197,19 +312,19 @@ def _krum_scores_from(dist: Tensor, f: int) -> Tensor:
 
 
 @_robust()
-def krum_scores(x: Tensor, f: int) -> Tensor:
+def krum_scores(x: Tensor, f: int, total: Total = whole) -> Tensor:
     """Krum scores (Blanchard et al., 2017): ``score_i`` = sum of squared distances from ``x_i`` to its ``n - f - 2``
     nearest other vectors; 0 for every row when ``n - f - 2 <= 0``.
 
     Scores are computed on the finite rows with the lowered ``f`` (one per finite row, in their order); use
     :func:`krum_select` for indices in the caller's numbering.
     """
-    return _krum_scores_from(_pairwise_sq_dists(x), f)
+    return _krum_scores_from(_pairwise_sq_dists(x, total), f)
 
 
-def _krum_order(x: Tensor, f: int) -> Tensor:
+def _krum_order(x: Tensor, f: int, total: Total) -> Tensor:
     """Row indices by increasing Krum score; ties go to the lower index."""
-    return torch.sort(_krum_scores_from(_pairwise_sq_dists(x), f), stable=True).indices
+    return torch.sort(_krum_scores_from(_pairwise_sq_dists(x, total), f), stable=True).indices
 
 
 def _resolve_m(x: Tensor, f: int, m: int | None) -> int:
@@ -221,39 +336,49 @@ def _resolve_m(x: Tensor, f: int, m: int | None) -> int:
 
 
 @_robust(selects=True)
-def krum_select(x: Tensor, f: int, m: int = 1) -> Tensor:
+def krum_select(x: Tensor, f: int, m: int = 1, total: Total = whole) -> Tensor:
     """Indices (LongTensor ``(m,)``) of the ``m`` rows with the lowest Krum scores, best first; ties go to the lower
     index. Indices are in the caller's numbering, never a non-finite row.
 
     When more than ``f`` rows were non-finite, fewer than ``m`` finite rows may be left: ``m`` is then lowered to
     their number (:func:`check_rule` has already rejected ``m > n - f``).
     """
-    return _krum_order(x, f)[: _resolve_m(x, f, m)]
+    return _krum_order(x, f, total)[: _resolve_m(x, f, m)]
 
 
 @_robust()
-def krum(x: Tensor, f: int) -> Tensor:
+def krum(x: Tensor, f: int, total: Total = whole) -> Tensor:
     """Krum (Blanchard et al., 2017): the vector with the lowest Krum score (see :func:`krum_scores`)."""
-    return x[_krum_order(x, f)[0]].clone()
+    return _first_pick(x, _krum_order(x, f, total), f)
+
+
+def _first_pick(x: Tensor, picks: Tensor, f: int) -> Tensor:
+    """Krum's vector from its picks."""
+    return x[picks[0]].clone()
+
+
+def _mean_of_picks(x: Tensor, picks: Tensor, f: int) -> Tensor:
+    """Multi-Krum's vector from its picks."""
+    return x[picks].mean(dim=0)
 
 
 @_robust(selects=True)
-def multi_krum_select(x: Tensor, f: int, m: int | None = None) -> Tensor:
+def multi_krum_select(x: Tensor, f: int, m: int | None = None, total: Total = whole) -> Tensor:
     """Indices of the ``m`` rows :func:`multi_krum` averages (default ``m = n - f``), in the caller's numbering."""
-    return _krum_order(x, f)[: _resolve_m(x, f, m)]
+    return _krum_order(x, f, total)[: _resolve_m(x, f, m)]
 
 
 @_robust()
-def multi_krum(x: Tensor, f: int, m: int | None = None) -> Tensor:
+def multi_krum(x: Tensor, f: int, m: int | None = None, total: Total = whole) -> Tensor:
     """Multi-Krum: the MEAN (not the sum) of the ``m`` rows with the lowest Krum scores; default ``m = n - f``.
 
     ``m = 1`` is :func:`krum`; ``m = n`` with ``f = 0`` is :func:`mean`.
     """
-    return x[_krum_order(x, f)[: _resolve_m(x, f, m)]].mean(dim=0)
+    return _mean_of_picks(x, _krum_order(x, f, total)[: _resolve_m(x, f, m)], f)
 
 
 @_robust()
-def geometric_median(x: Tensor, f: int = 0, *, nu: float = 0.1, iterations: int = 3) -> Tensor:
+def geometric_median(x: Tensor, f: int = 0, *, nu: float = 0.1, iterations: int = 3, total: Total = whole) -> Tensor:
     """Approximate geometric median by smoothed Weiszfeld iterations (as ByzFL's ``GeometricMedian``).
 
     ``z <- sum_i w_i x_i / sum_i w_i`` with ``w_i = 1 / max(nu, ||z - x_i||)``, ``iterations`` times, starting at
@@ -266,7 +391,7 @@ def geometric_median(x: Tensor, f: int = 0, *, nu: float = 0.1, iterations: int 
     acc = x.to(_acc_dtype(x))
     z = torch.zeros_like(acc[0])
     for _ in range(iterations):
-        distances = torch.linalg.vector_norm(acc - z, dim=1)
+        distances = _row_norms(acc - z, total)
         weights = 1.0 / distances.clamp_min(nu)
         z = (weights / weights.sum()) @ acc
     return z.to(x.dtype)
@@ -274,7 +399,13 @@ def geometric_median(x: Tensor, f: int = 0, *, nu: float = 0.1, iterations: int 
 
 @_robust()
 def centered_clipping(
-    x: Tensor, f: int = 0, *, center: Tensor | None = None, tau: float = 10.0, iterations: int = 1
+    x: Tensor,
+    f: int = 0,
+    *,
+    center: Tensor | None = None,
+    tau: float = 10.0,
+    iterations: int = 1,
+    total: Total = whole,
 ) -> Tensor:
     """Centered clipping (Karimireddy et al., 2021).
 
@@ -295,7 +426,7 @@ def centered_clipping(
         v = center.to(dtype=acc.dtype, device=acc.device)
     for _ in range(iterations):
         diff = acc - v
-        norms = torch.linalg.vector_norm(diff, dim=1)
+        norms = _row_norms(diff, total)
         # where() rather than min(1, tau / norm): a zero norm must give factor 1, not a 0/0
         scale = torch.where(norms > tau, tau / norms, torch.ones_like(norms))
         v = v + (diff * scale[:, None]).mean(dim=0)
@@ -312,7 +443,7 @@ def _bulyan_sizes(n: int, f: int) -> tuple[int, int]:
     return theta, beta
 
 
-def _bulyan_pick(x: Tensor, f: int) -> Tensor:
+def _bulyan_pick(x: Tensor, f: int, total: Total) -> Tensor:
     """The ``theta = n - 2f`` rows picked by iterated Krum, in picking order.
 
     The last rounds run on ``r < f + 3`` remaining rows, where Krum has no neighbour to count and scores every row 0
@@ -322,7 +453,7 @@ def _bulyan_pick(x: Tensor, f: int) -> Tensor:
     """
     n = x.shape[0]
     theta, _ = _bulyan_sizes(n, f)
-    dist = _pairwise_sq_dists(x)  # computed once; each round re-scores the remaining rows
+    dist = _pairwise_sq_dists(x, total)  # computed once; each round re-scores the remaining rows
     overall = _krum_scores_from(dist, f)
     remaining = torch.arange(n, device=x.device)
     picked = []
@@ -337,14 +468,14 @@ def _bulyan_pick(x: Tensor, f: int) -> Tensor:
 
 
 @_robust(selects=True)
-def bulyan_select(x: Tensor, f: int) -> Tensor:
+def bulyan_select(x: Tensor, f: int, total: Total = whole) -> Tensor:
     """Indices (``(theta,)``, ``theta = n - 2f``) of the rows Bulyan's iterated Krum picks, in picking order and the
     caller's numbering."""
-    return _bulyan_pick(x, f)
+    return _bulyan_pick(x, f, total)
 
 
 @_robust()
-def bulyan(x: Tensor, f: int) -> Tensor:
+def bulyan(x: Tensor, f: int, total: Total = whole) -> Tensor:
     """Bulyan (El Mhamdi et al., 2018) on top of Krum.
 
     1. pick ``theta = n - 2f`` rows by iterated Krum: Krum with the same ``f`` on the remaining rows, remove the
@@ -354,9 +485,14 @@ def bulyan(x: Tensor, f: int) -> Tensor:
 
     Needs ``n >= 4f + 3``.
     """
+    return _bulyan_average(x, _bulyan_pick(x, f, total), f)
+
+
+def _bulyan_average(x: Tensor, picks: Tensor, f: int) -> Tensor:
+    """Bulyan's coordinate-wise stage (2.) on the rows its iterated Krum picked."""
     _, beta = _bulyan_sizes(x.shape[0], f)
     # ascending row order, so that equal distances to the median go to the lower original index
-    chosen = x[torch.sort(_bulyan_pick(x, f)).values]
+    chosen = x[torch.sort(picks).values]
     center = _middle(torch.sort(chosen, dim=0).values)
     closest = torch.sort((chosen - center).abs(), dim=0, stable=True).indices[:beta]
     return torch.gather(chosen, 0, closest).mean(dim=0)
@@ -365,9 +501,9 @@ def bulyan(x: Tensor, f: int) -> Tensor:
 # --- registry and checks --------------------------------------------------------------------------------------------
 
 
-def _krum_pick(x: Tensor, f: int) -> Tensor:
+def _krum_pick(x: Tensor, f: int, total: Total = whole) -> Tensor:
     """Krum's single pick, as a selection: ``krum_select(x, f, m=1)``."""
-    return krum_select(x, f, m=1)
+    return krum_select(x, f, m=1, total=total)
 
 
 @dataclass(frozen=True)
@@ -375,26 +511,33 @@ class RuleSpec:
     """A rule of :data:`RULES` and what the strategy needs to know about it."""
 
     fn: Callable[..., Tensor]
-    """``fn(x, f, **params) -> (d,)``; ``centered_clipping`` also takes ``center``."""
+    """``fn(x, f, **params) -> (d,)``; ``centered_clipping`` also takes ``center``, those with :attr:`totals`
+    ``total``."""
     params: tuple[str, ...]
     """The keyword parameters a user may set."""
     select: Callable[..., Tensor] | None = None
     """``select(x, f, **params) -> LongTensor``: the rows the rule picks (Krum, Multi-Krum, Bulyan), else ``None``."""
+    from_picks: Callable[[Tensor, Tensor, int], Tensor] | None = None
+    """``from_picks(x, select(x, f, ...), f)`` is ``fn(x, f, ...)``: a caller that needs the picks too computes the
+    distances once."""
     stateful: bool = False
     """Whether the rule takes the previous result as ``center`` (centered clipping)."""
     robust: bool = True
     """False only for ``mean``, which neither tolerates Byzantine workers nor drops non-finite rows."""
+    totals: bool = False
+    """Whether ``fn`` and ``select`` sum over every coordinate (distances, norms) and so take ``total``; the others are
+    coordinate-wise."""
 
 
 RULES: dict[str, RuleSpec] = {
     "mean": RuleSpec(mean, (), robust=False),
     "median": RuleSpec(median, ()),
     "trimmed_mean": RuleSpec(trimmed_mean, ()),
-    "krum": RuleSpec(krum, (), select=_krum_pick),
-    "multi_krum": RuleSpec(multi_krum, ("m",), select=multi_krum_select),
-    "geometric_median": RuleSpec(geometric_median, ("nu", "iterations")),
-    "centered_clipping": RuleSpec(centered_clipping, ("tau", "iterations"), stateful=True),
-    "bulyan": RuleSpec(bulyan, (), select=bulyan_select),
+    "krum": RuleSpec(krum, (), select=_krum_pick, from_picks=_first_pick, totals=True),
+    "multi_krum": RuleSpec(multi_krum, ("m",), select=multi_krum_select, from_picks=_mean_of_picks, totals=True),
+    "geometric_median": RuleSpec(geometric_median, ("nu", "iterations"), totals=True),
+    "centered_clipping": RuleSpec(centered_clipping, ("tau", "iterations"), stateful=True, totals=True),
+    "bulyan": RuleSpec(bulyan, (), select=bulyan_select, from_picks=_bulyan_average, totals=True),
 }
 """Every rule by name."""
 

@@ -29,7 +29,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_zero.robust.aggregators import _acc_dtype, _check_stack, check_known, check_n
+from lightning_zero.robust.aggregators import _acc_dtype, _check_stack, check_known, check_n, mean_of_rows
+
+Columns = tuple[tuple[tuple[int, int], ...], int]
+"""``(ranges, width)``: the columns of ``width``-wide vectors a column shard holds."""
 
 
 def alie_textbook_z(n: int, f: int) -> float:
@@ -67,10 +70,6 @@ def flip_labels(y: Tensor, num_classes: int) -> Tensor:
 # --- the attacks: fn(x, byzantine, honest, generator, **params) -> (len(byzantine), d) ---------------------------
 
 
-def _honest_mean(x: Tensor, honest: list[int]) -> Tensor:
-    return x[honest].mean(dim=0)
-
-
 def _honest_std(x: Tensor, honest: list[int]) -> Tensor:
     if len(honest) < 2:  # one sample has no spread to hide in
         return torch.zeros_like(x[0])
@@ -81,20 +80,30 @@ def _sign_flip(x: Tensor, byzantine: list[int], honest: list[int], generator: An
     return -scale * x[byzantine]
 
 
-def _gaussian(x: Tensor, byzantine: list[int], honest: list[int], generator: Any, std: float = 1.0) -> Tensor:
+def _gaussian(
+    x: Tensor,
+    byzantine: list[int],
+    honest: list[int],
+    generator: Any,
+    std: float = 1.0,
+    columns: Columns | None = None,
+) -> Tensor:
     if generator is None:
         raise ValueError("attack='gaussian' needs a torch.Generator: randomness comes only from an explicit generator")
-    draw = torch.randn((len(byzantine), x.shape[1]), generator=generator, dtype=_acc_dtype(x), device=generator.device)
-    return (std * draw).to(dtype=x.dtype, device=x.device)
+    # On a column shard every rank draws the whole vectors and keeps its columns: the same draws in any layout.
+    ranges, width = columns if columns is not None else (((0, x.shape[1]),), x.shape[1])
+    draw = torch.randn((len(byzantine), width), generator=generator, dtype=_acc_dtype(x), device=generator.device)
+    kept = torch.cat([draw[:, lo:hi] for lo, hi in ranges], dim=1) if ranges else draw[:, :0]
+    return (std * kept).to(dtype=x.dtype, device=x.device)
 
 
 def _alie(x: Tensor, byzantine: list[int], honest: list[int], generator: Any, z: float) -> Tensor:
-    row = _honest_mean(x, honest) - z * _honest_std(x, honest)
+    row = mean_of_rows(x, honest) - z * _honest_std(x, honest)
     return row.expand(len(byzantine), -1)
 
 
 def _ipm(x: Tensor, byzantine: list[int], honest: list[int], generator: Any, eps: float = 0.1) -> Tensor:
-    return (-eps * _honest_mean(x, honest)).expand(len(byzantine), -1)
+    return (-eps * mean_of_rows(x, honest)).expand(len(byzantine), -1)
 
 
 def _mimic(x: Tensor, byzantine: list[int], honest: list[int], generator: Any, target: int | None = None) -> Tensor:
@@ -123,11 +132,13 @@ class AttackSpec:
     """The keyword parameters a user may set."""
     data_level: bool = False
     """Whether the attack acts on the training data (``label_flip``: see :func:`flip_labels`), not on the vectors."""
+    draws: bool = False
+    """Whether ``fn`` draws random vectors, and so takes ``columns`` to draw the same ones on a column shard."""
 
 
 ATTACKS: dict[str, AttackSpec] = {
     "sign_flip": AttackSpec(_sign_flip, ("scale",)),
-    "gaussian": AttackSpec(_gaussian, ("std",)),
+    "gaussian": AttackSpec(_gaussian, ("std",), draws=True),
     "alie": AttackSpec(_alie, ("z",)),
     "ipm": AttackSpec(_ipm, ("eps",)),
     "mimic": AttackSpec(_mimic, ("target",)),
@@ -206,6 +217,7 @@ def apply_attack(
     byzantine: Sequence[int],
     *,
     generator: torch.Generator | None = None,
+    columns: Columns | None = None,
     **kwargs: Any,
 ) -> Tensor:
     """Simulate attack ``name``: a new ``(n, d)`` tensor whose ``byzantine`` rows are replaced.
@@ -218,6 +230,9 @@ def apply_attack(
         x: ``(n, d)`` vectors, as the workers computed them honestly.
         byzantine: the rows to replace.
         generator: the only source of randomness (``gaussian`` needs one).
+        columns: ``(ranges, width)`` when ``x`` holds the columns ``ranges`` (``(start, end)`` pairs, in ``x``'s order)
+            of ``width``-wide vectors (a column shard): the coordinate-wise attacks need nothing more, ``gaussian``
+            draws whole vectors and keeps these columns.
         kwargs: the attack's parameters.
     """
     _check_stack(x)
@@ -228,5 +243,8 @@ def apply_attack(
         return out
     chosen = set(rows)
     honest = [i for i in range(x.shape[0]) if i not in chosen]
-    out[rows] = ATTACKS[name].fn(x, rows, honest, generator, **kwargs).to(x.dtype)
+    spec = ATTACKS[name]
+    if spec.draws and columns is not None:
+        kwargs = {**kwargs, "columns": columns}
+    out[rows] = spec.fn(x, rows, honest, generator, **kwargs).to(x.dtype)
     return out

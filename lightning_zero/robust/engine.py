@@ -10,8 +10,13 @@ Runbook::
     for j, chunk in enumerate(engine.worker_chunks(batch)):  # split; label_flip on the Byzantine workers' chunks
         with engine.worker_backward(j):          # the window opens on the first; p.grad bound to row j
             loss_fn(module(chunk)).backward()
+        engine.send(j)                           # optional, the window's last micro-batch: sharded, j's exchange starts
     metrics = engine.aggregate()                 # once per optimizer step: every rank's rows all-gathered, the rule
     optimizer.step()                             # p.grad: views of the aggregate (the same on every rank)
+
+With ``sharded_aggregation=True`` each rank instead receives its column shard of every worker's vector and
+aggregates it (:class:`~lightning_zero.robust.exchange.ShardedExchange`, [Note: sharded aggregation] in
+:mod:`lightning_zero.robust.shards`); the aggregate is the same up to the order of float sums.
 
 The engine does not know who drives it: the front ends decide when a window's last backward has run (the Trainer
 after the boundary micro-batch's backward, Fabric lazily before clipping or the optimizer step) and what to do with
@@ -31,6 +36,8 @@ from lightning_zero.comm import collectives as comm
 from lightning_zero.dp.unused import unused_error
 from lightning_zero.robust.aggregation import AggregationResult, RobustAggregator
 from lightning_zero.robust.attacks import flip_labels
+from lightning_zero.robust.exchange import ShardedExchange
+from lightning_zero.robust.shards import check_replicas
 from lightning_zero.robust.workers import WorkerGradients, split_batch
 
 CHECKPOINT_KEY = "robust_aggregation"
@@ -65,7 +72,7 @@ def check_precision_settings(
 
 SETTINGS = (
     "aggregator", "f", "aggregator_kwargs", "pre_aggregators", "workers_per_rank", "worker_momentum", "attack",
-    "attack_kwargs", "byzantine_workers", "seed",
+    "attack_kwargs", "byzantine_workers", "seed", "sharded_aggregation", "aggregation_replicas",
 )  # fmt: skip
 """The front ends' robust settings (documented on :class:`~lightning_zero.strategies.robust.RobustDDPStrategy`)."""
 
@@ -77,6 +84,8 @@ def build_engine(
     worker_momentum: float = 0.0,
     aggregator_kwargs: Mapping[str, Any] | None = None,
     byzantine_workers: Sequence[int] | None = None,
+    sharded_aggregation: bool = False,
+    aggregation_replicas: int = 1,
     **rule: Any,
 ) -> RobustEngine:
     """The engine of the front ends' :data:`SETTINGS`, each bad one raising naming itself (``f``,
@@ -84,8 +93,22 @@ def build_engine(
     :class:`~lightning_zero.robust.aggregation.RobustAggregator` takes them); the rule's bounds for ``n`` are
     checked later, by :meth:`RobustEngine.validate`."""
     check_workers(workers_per_rank, worker_momentum)
+    check_sharding(sharded_aggregation, aggregation_replicas)
     aggregation = RobustAggregator(aggregator, rule_kwargs=aggregator_kwargs, byzantine=byzantine_workers, **rule)
-    return RobustEngine(aggregation, workers_per_rank, worker_momentum)
+    return RobustEngine(aggregation, workers_per_rank, worker_momentum, sharded_aggregation, aggregation_replicas)
+
+
+def check_sharding(sharded_aggregation: Any, aggregation_replicas: Any, world_size: int | None = None) -> None:
+    """``sharded_aggregation`` and ``aggregation_replicas`` (``None``: before the world size is known; shared with the
+    Hydra schema in :mod:`lightning_zero.tools.config`)."""
+    if not isinstance(sharded_aggregation, bool):
+        raise ValueError(f"sharded_aggregation={sharded_aggregation!r} is invalid: expected True or False")
+    check_replicas(aggregation_replicas, world_size)
+    if aggregation_replicas > 1 and not sharded_aggregation:
+        raise ValueError(
+            f"aggregation_replicas={aggregation_replicas} needs sharded_aggregation=True: it sets how many ranks"
+            " aggregate each shard (without sharding every rank aggregates everything, unchecked)"
+        )
 
 
 class RobustEngine:
@@ -95,12 +118,26 @@ class RobustEngine:
         aggregator: the rule with its pre-aggregators and simulated attack.
         workers_per_rank: ``k``, the workers of this process.
         worker_momentum: ``beta`` in ``[0, 1)`` of every worker's momentum.
+        sharded_aggregation: each rank aggregates a column shard of every worker's vector ([Note: sharded
+            aggregation] in :mod:`lightning_zero.robust.shards`).
+        aggregation_replicas: with ``sharded_aggregation``, how many ranks aggregate each shard and compare digests
+            ([Note: replicated aggregation]).
     """
 
-    def __init__(self, aggregator: RobustAggregator, workers_per_rank: int = 1, worker_momentum: float = 0.0) -> None:
+    def __init__(
+        self,
+        aggregator: RobustAggregator,
+        workers_per_rank: int = 1,
+        worker_momentum: float = 0.0,
+        sharded_aggregation: bool = False,
+        aggregation_replicas: int = 1,
+    ) -> None:
         self.aggregator = aggregator
         self.workers_per_rank = workers_per_rank
         self.worker_momentum = worker_momentum
+        self.exchange = ShardedExchange(aggregation_replicas) if sharded_aggregation else None
+        """The sharded mode's exchange between ranks (:mod:`lightning_zero.robust.exchange`), else ``None``."""
+        self._stack: Tensor | None = None  # unsharded: the (n, d) stack the rows are all-gathered into
         self.find_unused_parameters = False
         self.grads: WorkerGradients | None = None
         self.window_open = False
@@ -119,18 +156,27 @@ class RobustEngine:
         return comm.rank() * self.workers_per_rank
 
     def validate(self, world_size: int) -> None:
-        """The rule's bounds and the simulated attack for ``n = workers_per_rank x world_size`` (before any process
-        starts: the front end passes its topology)."""
+        """The rule's bounds and the simulated attack for ``n = workers_per_rank x world_size``, and
+        ``aggregation_replicas <= world_size`` (before any process starts: the front end passes its topology)."""
         self.aggregator.validate(self.workers_per_rank * world_size)
+        check_sharding(self.sharded_aggregation, self.aggregation_replicas, world_size)
 
     # ------------------------------------------------------------ setup
-    def attach(self, module: nn.Module, *, find_unused_parameters: bool) -> None:
-        """The worker rows over ``module``'s trainable parameters (a run's start; replaces earlier rows)."""
+    def attach(
+        self, module: nn.Module, *, find_unused_parameters: bool, groups: Sequence[Sequence[Tensor]] | None = None
+    ) -> None:
+        """The worker rows over ``module``'s trainable parameters, in registration order (a run's start; replaces
+        earlier rows). ``groups``: the parameters of each of ZeRO's flat groups, in the group's order, whose shards
+        are then this rank's columns ([Note: sharded aggregation] in :mod:`lightning_zero.robust.shards`)."""
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
         params, names = [p for _, p in named], [name for name, _ in named]
         if self.grads is not None:
             self.grads.remove()
         self.grads = WorkerGradients(params, self.workers_per_rank, self.worker_momentum, names)
+        index = {id(p): i for i, p in enumerate(params)}
+        if self.exchange is not None:
+            self.exchange.reset(None if groups is None else [[index[id(p)] for p in group] for group in groups])
+        self._stack = None
         self.find_unused_parameters = find_unused_parameters
         self.window_open = False
 
@@ -141,8 +187,29 @@ class RobustEngine:
 
     @property
     def buffers(self) -> list[Tensor]:
-        """The worker rows (and momentum rows)."""
-        return self.grads.buffers if self.grads is not None else []
+        """The worker rows (and momentum rows), what the last step received of every worker's vectors (the ``(n, d)``
+        stack, or each round's ``(n, d / N)`` shard) and the sharded mode's gathered aggregate."""
+        if self.grads is None:
+            return []
+        exchange = self.exchange.buffers if self.exchange is not None else []
+        return self.grads.buffers + exchange + ([self._stack] if self._stack is not None else [])
+
+    @property
+    def sharded_aggregation(self) -> bool:
+        return self.exchange is not None
+
+    @property
+    def aggregation_replicas(self) -> int:
+        return self.exchange.replicas if self.exchange is not None else 1
+
+    @property
+    def received(self) -> list[Tensor]:
+        """What this rank received of the workers' vectors at the last step (kept for the next): the ``(n, d)``
+        stack, or each round's ``(n, columns)`` shard; nothing in one process."""
+        exchange = self._exchange_now()
+        if exchange is not None:
+            return exchange.received
+        return [self._stack] if self._stack is not None else []
 
     def remove(self) -> None:
         """The end of a run: the autograd hooks removed, the window closed. The rows stay, like an optimizer's state:
@@ -200,44 +267,67 @@ class RobustEngine:
             return set()
         return grads.used.find_unused_everywhere(grads.rows.device)
 
-    def _gather_rows(self, rows: Tensor, tag: str) -> Tensor:
-        """This rank's ``(k, d)`` worker rows -> every worker's ``(n, d)``, in global worker order (one process: the
-        rows themselves)."""
+    def _gather_rows(self, rows: Tensor, tag: str, out: Tensor | None = None) -> Tensor:
+        """This rank's ``(k, d)`` worker rows -> every worker's ``(n, d)`` (into ``out`` when given), in global worker
+        order (one process: the rows themselves)."""
         if comm.world_size() == 1:
             return rows
-        stack = rows.new_empty(self.num_workers, rows.shape[1])
+        stack = out if out is not None else rows.new_empty(self.num_workers, rows.shape[1])
         comm.all_gather(stack, rows, tag=tag)
         return stack
 
     def aggregate(self) -> dict[str, float]:
-        """The window's end (collective): every worker's rows all-gathered, the rule run on them, every ``p.grad``
-        bound to the aggregate. Returns the step's metrics (also in :attr:`last_metrics`, the result in
-        :attr:`last_result`): ``robust/honest_distance``, ``robust/byzantine_selected`` (selection rules),
-        ``robust/nonfinite_dropped``, ``robust/aggregation_ms`` and ``robust/comm_bytes`` (this rank's all-gather
-        output)."""
+        """The window's end (collective): the rule run on every worker's rows, gathered (or each rank on its column
+        shard), every ``p.grad`` bound to the aggregate. Returns the step's metrics (also in :attr:`last_metrics`, the
+        result in :attr:`last_result`): ``robust/honest_distance``, ``robust/byzantine_selected`` (selection rules),
+        ``robust/nonfinite_dropped``, ``robust/aggregation_ms`` and ``robust/comm_bytes`` (what this rank received of
+        the workers' vectors: the all-gathered stack, or its shards by the all-to-all)."""
         grads = self._attached()
         unused = self._unused_everywhere()
-        stack = self._gather_rows(grads.vectors(), tag="worker_grads")
-        result = self.aggregator(stack)
-        grads.set_grads(result.vector, skip=unused)
+        exchange = self._exchange_now()
+        if exchange is not None:
+            result, vector = exchange.aggregate(grads, self.aggregator)
+        else:
+            vectors = grads.vectors()
+            if comm.world_size() > 1 and (self._stack is None or self._stack.shape[1] != grads.numel):
+                self._stack = vectors.new_empty(self.num_workers, grads.numel)
+            result = self.aggregator(self._gather_rows(vectors, tag="worker_grads", out=self._stack))
+            vector = result.vector
+        if vector is not None:
+            grads.set_grads(vector, skip=unused)
         self.window_open = False
         self.last_result = result
-        comm_bytes = stack.numel() * stack.element_size() if comm.world_size() > 1 else 0
         metrics = {
             "robust/honest_distance": result.honest_distance,
             "robust/nonfinite_dropped": float(result.dropped),
             "robust/aggregation_ms": result.seconds * 1e3,
-            "robust/comm_bytes": float(comm_bytes),
+            "robust/comm_bytes": float(sum(t.numel() * t.element_size() for t in self.received)),
         }
         if result.byzantine_selected is not None:
             metrics["robust/byzantine_selected"] = result.byzantine_selected
         self.last_metrics = metrics
         return metrics
 
+    # ------------------------------------------------------------ sharded aggregation
+    def _exchange_now(self) -> ShardedExchange | None:
+        """The exchange, when there is one and more than one process (one process holds every column)."""
+        return self.exchange if comm.world_size() > 1 else None
+
+    def send(self, worker: int) -> None:
+        """``worker``'s last backward of the window has run: in the sharded mode its vector's exchange starts now, so
+        that it overlaps the next workers' backward (a no-op otherwise, and for a worker already sent).
+        :meth:`aggregate` sends the workers not sent yet."""
+        exchange = self._exchange_now()
+        if exchange is not None:
+            exchange.send(self._attached(), worker)
+
     # ------------------------------------------------------------ checkpoints
     def robust_state_dict(self) -> dict[str, Any]:
         """The aggregator's state and every worker's momentum row (a collective: every rank must call it)."""
         state: dict[str, Any] = {"num_workers": self.num_workers, **self.aggregator.state_dict()}
+        exchange = self._exchange_now()
+        if state["center"] is not None and exchange is not None:
+            state["center"] = exchange.gather_center(state["center"], self._attached().numels).cpu()
         grads = self.grads
         momentum = grads.momentum_rows if grads is not None else None
         if momentum is not None:
@@ -260,25 +350,25 @@ class RobustEngine:
 
 class RobustFrontEnd:
     """What both front ends of ``robust_ddp_scratch`` (the Trainer's and Fabric's strategy) say about their
-    :class:`RobustEngine` (``self.engine``); a mixin for a strategy on
+    :class:`RobustEngine` (``self.robust_engine``); a mixin for a strategy on
     :class:`~lightning_zero.training.distributed.DistributedPlumbing`."""
 
-    engine: RobustEngine
+    robust_engine: RobustEngine
     num_nodes: int
     num_processes: int
     _precision_settings: dict[str, Any]
 
     @property
     def aggregator(self) -> RobustAggregator:
-        return self.engine.aggregator
+        return self.robust_engine.aggregator
 
     @property
     def workers_per_rank(self) -> int:
-        return self.engine.workers_per_rank
+        return self.robust_engine.workers_per_rank
 
     @property
     def worker_momentum(self) -> float:
-        return self.engine.worker_momentum
+        return self.robust_engine.worker_momentum
 
     @property
     def num_workers(self) -> int:
@@ -288,19 +378,19 @@ class RobustFrontEnd:
     @property
     def last_result(self) -> AggregationResult | None:
         """The last optimizer step's aggregation result."""
-        return self.engine.last_result
+        return self.robust_engine.last_result
 
     def _check_robust_settings(self) -> None:
         """When the Trainer or Fabric attaches the devices, before any process starts: the rule's bounds for ``n``
         and the simulated attack."""
-        self.engine.validate(self.num_nodes * self.num_processes)
+        self.robust_engine.validate(self.num_nodes * self.num_processes)
 
     def _check_precision(self) -> None:
         check_precision_settings(**self._precision_settings)
 
     def robust_state_dict(self) -> dict[str, Any]:
         """The aggregator's state and every worker's momentum row (a collective: every rank must call it)."""
-        return self.engine.robust_state_dict()
+        return self.robust_engine.robust_state_dict()
 
     def load_robust_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.engine.load_robust_state_dict(state)
+        self.robust_engine.load_robust_state_dict(state)

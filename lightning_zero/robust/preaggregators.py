@@ -13,7 +13,8 @@ Runbook::
 These functions do NOT drop non-finite rows themselves: the caller drops them (and lowers ``f``) with
 :func:`~lightning_zero.robust.aggregators.drop_nonfinite` before the first pre-aggregator, because a NaN row mixed
 into others (``nnm``, ``bucketing``) would spoil honest rows. ``x`` is never modified; the result has its dtype and
-device; distances and norms are accumulated in at least float32.
+device; distances and norms are accumulated in at least float32. ``nnm`` and ``clip`` take ``total`` to run on a column
+shard (see :mod:`~lightning_zero.robust.aggregators`); ``bucketing`` is coordinate-wise.
 """
 
 from __future__ import annotations
@@ -28,12 +29,15 @@ import torch
 from torch import Tensor
 
 from lightning_zero.robust.aggregators import (
+    Total,
     _acc_dtype,
     _check_f,
     _check_stack,
     _pairwise_sq_dists,
+    _row_norms,
     check_known,
     check_n_f,
+    whole,
 )
 
 
@@ -47,7 +51,7 @@ def _check_c(owner: str, c: Any) -> None:
         raise ValueError(f"{owner} got c={c!r}: expected a finite norm bound > 0")
 
 
-def nnm(x: Tensor, f: int) -> Tensor:
+def nnm(x: Tensor, f: int, total: Total = whole) -> Tensor:
     """Nearest-neighbour mixing (Allouah et al., 2023): each row becomes the mean of its ``n - f`` nearest rows.
 
     A row counts as its own neighbour (distance 0); equal distances go to the lower row index. Distances are exact
@@ -60,7 +64,7 @@ def nnm(x: Tensor, f: int) -> Tensor:
     k = n - f
     if k < 1:
         raise ValueError(f"nnm with n={n}, f={f} has no neighbour to mix: it needs n >= 2f+1 = {2 * f + 1}")
-    neighbours = torch.sort(_pairwise_sq_dists(x), dim=1, stable=True).indices[:, :k]
+    neighbours = torch.sort(_pairwise_sq_dists(x, total), dim=1, stable=True).indices[:, :k]
     # a (n, n) mixing matrix rather than x[neighbours].mean(1): that would materialise n * k copies of d
     acc = _acc_dtype(x)
     mixing = torch.zeros(n, n, dtype=acc, device=x.device)
@@ -88,11 +92,11 @@ def bucketing(x: Tensor, s: int, *, generator: torch.Generator) -> Tensor:
     return out
 
 
-def clip(x: Tensor, c: float) -> Tensor:
+def clip(x: Tensor, c: float, total: Total = whole) -> Tensor:
     """Scale every row with norm above ``c`` down to norm ``c``; rows with norm ``<= c`` are returned unchanged."""
     _check_stack(x)
     _check_c("clip", c)
-    norms = torch.linalg.vector_norm(x, dim=1, dtype=_acc_dtype(x))
+    norms = _row_norms(x.to(_acc_dtype(x)), total)
     scale = torch.where(norms > c, c / norms, torch.ones_like(norms))
     return x * scale.to(x.dtype)[:, None]
 
@@ -111,12 +115,14 @@ class PreSpec:
     """Whether ``fn`` takes a ``generator`` keyword."""
     needs_f: bool = False
     """Whether ``fn`` takes ``f`` (after the non-finite filter) as its second argument."""
+    totals: bool = False
+    """Whether ``fn`` sums over every coordinate and so takes ``total``."""
 
 
 PRE_AGGREGATORS: dict[str, PreSpec] = {
-    "nnm": PreSpec(nnm, (), preserves_rows=True, needs_generator=False, needs_f=True),
+    "nnm": PreSpec(nnm, (), preserves_rows=True, needs_generator=False, needs_f=True, totals=True),
     "bucketing": PreSpec(bucketing, ("s",), preserves_rows=False, needs_generator=True),
-    "clip": PreSpec(clip, ("c",), preserves_rows=True, needs_generator=False),
+    "clip": PreSpec(clip, ("c",), preserves_rows=True, needs_generator=False, totals=True),
 }
 """Every pre-aggregator by name."""
 

@@ -95,6 +95,11 @@ class WorkerGradients:
         self._hooks = []
 
     @property
+    def numels(self) -> list[int]:
+        """Each parameter's elements, in the rows' order."""
+        return [p.numel() for p in self.params]
+
+    @property
     def workers(self) -> int:
         return self.rows.shape[0]
 
@@ -122,9 +127,15 @@ class WorkerGradients:
 
     def vectors(self) -> Tensor:
         """What the workers send at an optimizer step: the rows, or with momentum the updated momentum rows."""
+        for worker in range(self.workers):
+            self.vector(worker)
+        return self.rows if self.momentum_rows is None else self.momentum_rows
+
+    def vector(self, worker: int) -> Tensor:
+        """What ``worker`` sends at an optimizer step (its momentum row updated, once per step; or its row)."""
         if self.momentum_rows is None:
-            return self.rows
-        return self.momentum_rows.mul_(self.momentum).add_(self.rows, alpha=1 - self.momentum)
+            return self.rows[worker]
+        return self.momentum_rows[worker].mul_(self.momentum).add_(self.rows[worker], alpha=1 - self.momentum)
 
     def set_grads(self, aggregate: Tensor, skip: set[str] = frozenset()) -> None:
         """Bind every ``p.grad`` to its slice of the ``(d,)`` aggregate (``None`` for the names in ``skip``)."""

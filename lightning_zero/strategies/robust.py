@@ -73,6 +73,13 @@ class RobustDDPStrategy(RobustFrontEnd, ScratchParallelStrategy):
         attack_kwargs: the attack's parameters (``alie`` needs ``z``; ``label_flip`` needs ``num_classes``).
         byzantine_workers: global indices of the simulated Byzantine workers (default: the last ``f``).
         seed: seed of the generator behind ``bucketing`` and the ``gaussian`` attack (same on every rank).
+        sharded_aggregation: rank ``r`` receives only columns shard ``r`` of every worker's vector (one all-to-all),
+            aggregates them and all-gathers its shard of the aggregate: ``n d / N`` values received per rank instead
+            of ``n d``, the same aggregate up to the order of float sums ([Note: sharded aggregation] in
+            :mod:`lightning_zero.robust.shards`).
+        aggregation_replicas: with ``sharded_aggregation``, ``r`` in ``[1, N]`` ranks aggregate each shard and compare
+            digests of their results before anyone applies the step (``AggregationMismatchError`` on every rank
+            otherwise; [Note: replicated aggregation]); costs ``r`` times the exchange and the aggregation.
         master_weights: must stay ``False``: the robust pipeline aggregates and steps the module's own parameters.
         **kwargs: see :class:`~lightning_zero.strategies.base.ScratchParallelStrategy`.
     """
@@ -92,10 +99,12 @@ class RobustDDPStrategy(RobustFrontEnd, ScratchParallelStrategy):
         attack_kwargs: Mapping[str, Any] | None = None,
         byzantine_workers: Sequence[int] | None = None,
         seed: int = 0,
+        sharded_aggregation: bool = False,
+        aggregation_replicas: int = 1,
         master_weights: bool = False,
         **kwargs: Any,
     ) -> None:
-        self.engine = build_engine(
+        self.robust_engine = build_engine(
             aggregator,
             f=f,
             aggregator_kwargs=aggregator_kwargs,
@@ -106,6 +115,8 @@ class RobustDDPStrategy(RobustFrontEnd, ScratchParallelStrategy):
             attack_kwargs=attack_kwargs,
             byzantine_workers=byzantine_workers,
             seed=seed,
+            sharded_aggregation=sharded_aggregation,
+            aggregation_replicas=aggregation_replicas,
         )
         super().__init__(master_weights=master_weights, **kwargs)
         self._worker_losses: list[Tensor] = []
@@ -114,7 +125,7 @@ class RobustDDPStrategy(RobustFrontEnd, ScratchParallelStrategy):
     @override
     def strategy_buffers(self) -> list[Tensor]:
         """The worker rows (and momentum rows) while fitting."""
-        return self.engine.buffers
+        return self.robust_engine.buffers
 
     @override
     def _configure_launcher(self) -> None:
@@ -129,7 +140,7 @@ class RobustDDPStrategy(RobustFrontEnd, ScratchParallelStrategy):
             if not self.lightning_module.automatic_optimization:
                 raise ValueError("robust_ddp_scratch needs automatic optimization (automatic_optimization=True)")
             assert self.model is not None
-            self.engine.attach(self.model, find_unused_parameters=self.find_unused_parameters)
+            self.robust_engine.attach(self.model, find_unused_parameters=self.find_unused_parameters)
             self._record_trainable()
             self.setup_optimizers(trainer)
         self._setup_precision(trainer, cast_module=False)  # the shard-aware loss scaler; no casts (no masters)
@@ -143,7 +154,7 @@ class RobustDDPStrategy(RobustFrontEnd, ScratchParallelStrategy):
         self._check_trainable()
         batch, rest = args[0], args[1:]
         with self._buffer_sync():  # once per step, not per worker: the workers are one DDP forward
-            chunks = self.engine.worker_chunks(batch)
+            chunks = self.robust_engine.worker_chunks(batch)
             outputs = [ParallelStrategy.training_step(self, chunk, *rest, **kwargs) for chunk in chunks]
         return self._combine(outputs)
 
@@ -172,12 +183,15 @@ class RobustDDPStrategy(RobustFrontEnd, ScratchParallelStrategy):
         # loss scale of 16-mixed (pre_backward applied it to closure_loss only, which is not differentiated here).
         scale = 1.0 / module.trainer.accumulate_grad_batches
         scaler = getattr(self.precision_plugin, "scaler", None)
+        boundary = not self._backward_sync_blocked  # non-boundary micro-batches: accumulate into the rows only
         for j, loss in enumerate(losses):
-            with self.engine.worker_backward(j):
+            with self.robust_engine.worker_backward(j):
                 loss = scaler.scale(loss * scale) if scaler else loss * scale
                 self.precision_plugin.backward(loss, module, optimizer, *args, **kwargs)
-        if not self._backward_sync_blocked:  # non-boundary micro-batches: accumulate into the rows only
-            metrics = self.engine.aggregate()
+            if boundary:  # sharded: worker j's exchange overlaps the next workers' backward
+                self.robust_engine.send(j)
+        if boundary:
+            metrics = self.robust_engine.aggregate()
             module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
         return self.precision_plugin.post_backward(closure_loss, module)
 
@@ -198,6 +212,6 @@ class RobustDDPStrategy(RobustFrontEnd, ScratchParallelStrategy):
     def teardown(self) -> None:
         # The worker rows stay, like the optimizer's state: momentum rows belong in a checkpoint saved after fit.
         self._worker_losses = []
-        self.engine.remove()
+        self.robust_engine.remove()
         self._revert_layer_sync()
         super().teardown()

@@ -18,14 +18,15 @@ import os
 import pydoc
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_zero.comm.powersgd import compression_config
 from lightning_zero.robust.aggregation import RobustAggregator
-from lightning_zero.robust.engine import check_precision_settings, check_workers
+from lightning_zero.robust.engine import check_precision_settings, check_sharding, check_workers
+from lightning_zero.strategies.robust_zero import check_settings as check_robust_zero
 from lightning_zero.training.distributed import START_METHODS
 from lightning_zero.training.mesh import Mesh
 from lightning_zero.training.module_classes import module_classes
@@ -158,10 +159,7 @@ class ZeroStrategyConf:
         if self.grad_sync is not None and self.grad_sync not in GRAD_SYNC_MODES:
             raise ConfigError(f"grad_sync={self.grad_sync!r} is invalid: expected one of {GRAD_SYNC_MODES} or null")
         _check_bucket(self.bucket_size_mb)
-        if self.state_dict_type not in STATE_DICT_TYPES:
-            raise ConfigError(
-                f"state_dict_type={self.state_dict_type!r} is invalid: expected one of {STATE_DICT_TYPES}"
-            )
+        _check_state_dict_type(self.state_dict_type)
         if self.min_num_params is not None and self.min_num_params < 1:
             raise ConfigError(f"min_num_params={self.min_num_params!r} is invalid: expected null or an integer >= 1")
         if self.model_init not in MODEL_INIT_MODES:
@@ -210,6 +208,8 @@ class RobustDDPStrategyConf:
     attack_kwargs: dict[str, Any] = field(default_factory=dict)
     byzantine_workers: Optional[list[int]] = None
     seed: int = 0
+    sharded_aggregation: bool = False
+    aggregation_replicas: int = 1
     find_unused_parameters: bool = False
     broadcast_buffers: bool = True
     param_dtype: Optional[str] = "auto"
@@ -224,6 +224,7 @@ class RobustDDPStrategyConf:
     def __post_init__(self) -> None:
         with _as_config_error():
             check_workers(self.workers_per_rank, self.worker_momentum)
+            check_sharding(self.sharded_aggregation, self.aggregation_replicas)
         self.aggregator_pipeline()
         _check_common(self.process_group_backend, self.timeout, self.start_method)
         _check_precision_settings(self)
@@ -242,6 +243,23 @@ class RobustDDPStrategyConf:
                 self.byzantine_workers,
                 self.seed,
             )
+
+
+@dataclass
+class RobustZeroStrategyConf(RobustDDPStrategyConf):
+    """Schema of ``strategy=robust_zero{1,2}_scratch`` (:class:`lightning_zero.RobustZeroStrategy`): the robust
+    settings, the ZeRO stage and the checkpoint kind."""
+
+    _target_: str = "lightning_zero.RobustZeroStrategy"
+    stage: int = 2
+    state_dict_type: str = "sharded"
+    sharded_aggregation: bool = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        with _as_config_error():
+            check_robust_zero(self.stage, asdict(self))
+        _check_state_dict_type(self.state_dict_type)
 
 
 @dataclass
@@ -292,6 +310,7 @@ SCHEMAS: dict[str, type] = {
     "ddp_scratch_schema": ScratchDDPStrategyConf,
     "zero_scratch_schema": ZeroStrategyConf,
     "robust_ddp_scratch_schema": RobustDDPStrategyConf,
+    "robust_zero_scratch_schema": RobustZeroStrategyConf,
     "pipeline_scratch_schema": PipelineStrategyConf,
     "tensor_parallel_scratch_schema": TensorParallelStrategyConf,
 }
@@ -504,6 +523,11 @@ def _check_model_split(
         )
 
 
+def _check_state_dict_type(value: Any) -> None:
+    if value not in STATE_DICT_TYPES:
+        raise ConfigError(f"state_dict_type={value!r} is invalid: expected one of {STATE_DICT_TYPES}")
+
+
 def _check_robust(schema: RobustDDPStrategyConf, devices: Any, num_nodes: int) -> None:
     """The rule's tolerance bound for n = devices x num_nodes x workers_per_rank (when devices is a number)."""
     processes = _processes(devices, num_nodes)
@@ -511,6 +535,7 @@ def _check_robust(schema: RobustDDPStrategyConf, devices: Any, num_nodes: int) -
         return
     try:
         schema.aggregator_pipeline().validate(processes * schema.workers_per_rank)
+        check_sharding(schema.sharded_aggregation, schema.aggregation_replicas, processes)
     except ValueError as err:
         devices = processes // num_nodes
         raise ConfigError(

@@ -163,6 +163,18 @@ ROBUST_NAMES: Names = (
     ("robust_ddp_scratch", "Byzantine-robust data parallelism, popen launcher", {}),
     ("robust_ddp_scratch_spawn", "Byzantine-robust data parallelism, spawn launcher", {"start_method": "spawn"}),
 )
+ROBUST_ZERO_NAMES: Names = tuple(
+    entry
+    for stage in (1, 2)
+    for entry in (
+        (f"robust_zero{stage}_scratch", f"Byzantine-robust aggregation into ZeRO stage {stage}", {"stage": stage}),
+        (
+            f"robust_zero{stage}_scratch_spawn",
+            f"Byzantine-robust aggregation into ZeRO stage {stage}, spawn launcher",
+            {"stage": stage, "start_method": "spawn"},
+        ),
+    )
+)
 
 
 class DistributedPlumbing:

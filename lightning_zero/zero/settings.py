@@ -137,7 +137,9 @@ class ZeroSettings:
         """A non-boundary micro-batch: no communication with ``grad_sync="boundary"``; reduce anyway otherwise."""
         if engine is None or self.grad_sync == "microbatch":
             return nullcontext()
-        return engine.no_sync() if isinstance(engine, ShardedParams) else engine.reducer.no_sync()
+        if isinstance(engine, ShardedParams):
+            return engine.no_sync()
+        return engine.reducer.no_sync() if engine.reducer is not None else nullcontext()
 
     def apply_to(self, strategy: Any) -> None:
         """Set each setting as an attribute of ``strategy`` (``strategy.stage``, ``strategy.grad_sync``, ...)."""
@@ -164,10 +166,12 @@ def build_stage12(
     *,
     find_unused_parameters: bool,
     groups: ShardingGroups | None = None,
+    reduce_gradients: bool = True,
 ) -> ShardedOptimizer:
     """The ZeRO-1/2 engine over ``module`` and ``optimizer`` (rebuilt in place over this rank's shards); collective.
     ``groups``: the ranks to shard over, created by the caller (``tensor_parallel_scratch``: the data-parallel group
-    of a mesh); ``None``: those of ``settings.shard_size``, created here (hybrid sharding)."""
+    of a mesh); ``None``: those of ``settings.shard_size``, created here (hybrid sharding). ``reduce_gradients``: see
+    :class:`~lightning_zero.zero.stage12.ShardedOptimizer`."""
     groups = new_groups(settings.shard_size) if groups is None else groups
     return ShardedOptimizer(
         module,
@@ -180,6 +184,7 @@ def build_stage12(
         grad_reduction=settings.grad_reduction,
         group=groups.shard,
         replicate_group=groups.replicate,
+        reduce_gradients=reduce_gradients,
         **engine_dtypes(policy),
     )
 

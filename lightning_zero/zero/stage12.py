@@ -193,6 +193,8 @@ class ShardedOptimizer:
         replicate_group: hybrid sharding ([Note: hybrid sharding] in ``lightning_zero/zero/hybrid.py``): the group
             of ranks holding the same shard as this one; ``group`` is then this rank's shard group, and gradients
             are averaged over the default group, which spans both.
+        reduce_gradients: ``False``: no reducer and no autograd hooks; the gradient shard comes from outside, through
+            :meth:`set_shard_grads` (robust ZeRO: each rank's robust aggregate of its shard).
     """
 
     def __init__(
@@ -212,6 +214,7 @@ class ShardedOptimizer:
         grad_reduction: str = "auto",
         group: object = None,
         replicate_group: object = None,
+        reduce_gradients: bool = True,
     ) -> None:
         if stage not in (1, 2):
             raise ValueError(f"stage={stage!r} is invalid for ShardedOptimizer: expected 1 or 2")
@@ -254,7 +257,15 @@ class ShardedOptimizer:
         check_in_optimizer([name for name, p in module.named_parameters() if p.requires_grad and id(p) not in seen])
         self.masters_loaded = False
         self.reduce_dtype = reduce_dtype
-        self.reducer = self._build_reducer(module, bucket_cap_bytes, find_unused_parameters, reduce_dtype)
+        self.reducer: GradientReducer | None = None
+        if reduce_gradients:
+            self.reducer = self._build_reducer(module, bucket_cap_bytes, find_unused_parameters, reduce_dtype)
+        else:  # the gradient storage the reducer would have made: stage 1's full flat gradient, else the shard's
+            for g in self.groups:
+                if self.persistent:
+                    g.flat_grad = torch.zeros_like(g.flat, dtype=g.grad_dtype)
+                else:
+                    g.shard_grad = torch.zeros_like(g.shard, dtype=g.grad_dtype)
         self._held = HeldPieces(optimizer)
         self._pieces = [param_pieces(g.names, g.shard, g.layout, self.rank) for g in self.groups]
 
@@ -369,7 +380,7 @@ class ShardedOptimizer:
         """Persistent tensors the engine owns beyond params, grads and optimizer state (flat buffers included)."""
         persistent = [g.flat for g in self.groups]
         persistent += [t for g in self.groups for t in (g.flat_grad, g.shard_grad) if t is not None]
-        return persistent + self.reducer.buffers
+        return persistent + (self.reducer.buffers if self.reducer is not None else [])
 
     def clip_grad_norm_(self, max_norm: float) -> Tensor:
         """Scale the shard gradients so the *global* gradient norm is at most ``max_norm``; return that norm."""
@@ -384,6 +395,8 @@ class ShardedOptimizer:
     @property
     def unused_everywhere(self) -> set[str]:
         """Parameters no rank used in the last synchronised window (with ``find_unused_parameters``)."""
+        if self.reducer is None:
+            return set()
         return {self.reducer.names[i] for i in self.reducer.unused_everywhere}
 
     def before_step(self) -> None:
@@ -394,14 +407,15 @@ class ShardedOptimizer:
                 grad = self._shard_of_flat_grad(g) if self.persistent else g.shard_grad
                 g.shard.grad = grad.to(g.shard.dtype)  # dropped again in after_step
                 g.accumulating = False
-        if self.reducer.find_unused_parameters:
+        if self.reducer is not None and self.reducer.find_unused_parameters:
             self._held.hold(self.param_pieces, self.unused_everywhere)
 
     def after_step(self) -> None:
         """Put held pieces back, all-gather the updated shards into the full parameters, end the window (and drop
         stage 1's full local gradients and the shard gradients' copies of ``accum_dtype``)."""
         self._held.restore()
-        self.reducer.end_window()
+        if self.reducer is not None:
+            self.reducer.end_window()
         for g in self.groups:
             g.accumulating = False
             if g.casts_grad:
@@ -416,8 +430,29 @@ class ShardedOptimizer:
         for g in self.groups:  # a master shard is rounded to the gather dtype on the way
             comm.all_gather(g.flat, g.shard.detach(), group=self.group, tag="params", dtype=g.gather_dtype)
 
+    def set_shard_grads(self, values: Tensor) -> None:
+        """Gradients from outside (``reduce_gradients=False``): ``values`` holds this rank's shard of every group's
+        gradient, group after group, without the padding. They become the shard gradients; stage 1 (``"boundary"``)
+        all-gathers them into its full flat gradient, whose views become the ``p.grad`` (as after its reduction)."""
+        offset = 0
+        for g in self.groups:
+            length = max(min(g.end, g.layout.numel) - g.start, 0)
+            target = self._shard_of_flat_grad(g) if self.persistent else g.shard_grad
+            assert target is not None
+            target.narrow(0, 0, length).copy_(values.narrow(0, offset, length))  # the padding stays zero
+            offset += length
+            g.shard.grad = target
+            if self.persistent:
+                assert g.flat_grad is not None
+                comm.all_gather(g.flat_grad, target, group=self.group, tag="grads")
+                for p, start in zip(g.params, g.layout.offsets):
+                    p.grad = g.flat_grad.narrow(0, start, p.numel()).view_as(p)
+        if offset != values.numel():
+            raise ValueError(f"set_shard_grads got {values.numel()} values: this rank's shards hold {offset}")
+
     def remove(self) -> None:
-        self.reducer.remove()
+        if self.reducer is not None:
+            self.reducer.remove()
 
     def restore_masters(self) -> None:
         """After a fit: the module's parameters hold the master values in the dtype the module had (not the values

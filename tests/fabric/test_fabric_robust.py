@@ -41,10 +41,10 @@ RULE = dict(aggregator="trimmed_mean", f=1, attack="sign_flip", attack_kwargs={"
 BYZANTINE = [1]  # rank 0's second worker: the stack's row order matters
 
 
-def _robust_loop() -> dict:
+def _robust_loop(sharded: bool = False) -> dict:
     """The rule case under Fabric, then the error of a plain ``fabric.backward`` and the checkpoint state."""
     strategy = lightning_zero.fabric.RobustDDPStrategy(
-        **RULE, byzantine_workers=BYZANTINE, workers_per_rank=K, worker_momentum=BETA
+        **RULE, byzantine_workers=BYZANTINE, workers_per_rank=K, worker_momentum=BETA, sharded_aggregation=sharded
     )
     fabric = Fabric(accelerator="cpu", devices=WORLD, strategy=strategy)
     fabric.launch()
@@ -80,7 +80,8 @@ def _robust_loop() -> dict:
 
 
 def _all_loops() -> dict:
-    return {"ddp": _fabric_loop("ddp"), "mean": _fabric_loop("robust_ddp_scratch"), "rule": _robust_loop()}
+    loops = {"ddp": _fabric_loop("ddp"), "mean": _fabric_loop("robust_ddp_scratch"), "rule": _robust_loop()}
+    return {**loops, "rule_sharded": _robust_loop(sharded=True)}
 
 
 @pytest.fixture(scope="module")
@@ -138,6 +139,18 @@ def test_trimmed_mean_over_worker_batches_equals_the_rule_on_the_worker_stack(ru
     # the rule, the attack and the worker order matter: neither mean nor another Byzantine worker gives this run
     assert max_diff(runs[0]["rule"]["weights"], runs[0]["mean"]["weights"]) > 1e-3
     assert max_diff(runs[0]["rule"]["weights"], _rule_reference([2])) > 1e-4
+
+
+@pytest.mark.timeout(300)
+def test_sharded_aggregation_under_fabric_gives_the_same_fit_and_metrics(runs):
+    for rank_runs in runs:
+        sharded, unsharded = rank_runs["rule_sharded"], rank_runs["rule"]
+        assert max_diff(sharded["weights"], unsharded["weights"]) <= TOLERANCE
+        for got, want in zip(sharded["metrics"], unsharded["metrics"], strict=True):
+            assert got.keys() == want.keys()
+            assert got["robust/honest_distance"] == pytest.approx(want["robust/honest_distance"], rel=1e-5)
+            assert got["robust/comm_bytes"] < want["robust/comm_bytes"]  # half the stack's columns
+        torch.testing.assert_close(sharded["state"]["worker_momentum"], unsharded["state"]["worker_momentum"])
 
 
 @pytest.mark.timeout(300)

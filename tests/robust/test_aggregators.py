@@ -389,3 +389,31 @@ def test_check_rule_mean_with_f_warns_and_never_raises():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         check_rule("mean", 4, 0)
+
+
+# --- the column sort behind median and trimmed mean ------------------------------------------------------------------
+@pytest.mark.parametrize("n", range(1, 21))
+def test_the_sorting_network_sorts_every_column(n):
+    from lightning_zero.robust.aggregators import sorting_network
+
+    g = torch.Generator().manual_seed(n)
+    x = torch.cat([torch.randn(n, 300, generator=g), torch.randint(0, 3, (n, 300), generator=g).float()], dim=1)
+    rows = list(x.clone())
+    for i, j in sorting_network(n):
+        assert 0 <= i < j < n
+        low = torch.minimum(rows[i], rows[j])
+        rows[j] = torch.maximum(rows[i], rows[j])
+        rows[i] = low
+    assert torch.equal(torch.stack(rows), torch.sort(x, dim=0).values)
+    assert len(sorting_network(8)) == 19
+
+
+@pytest.mark.parametrize("n", [5, 8, 70])  # 70 rows: torch.sort instead of the network
+def test_median_and_trimmed_mean_across_column_blocks_equal_a_whole_sort(n, monkeypatch):
+    import lightning_zero.robust.aggregators as aggregators
+
+    monkeypatch.setattr(aggregators, "COLUMN_BLOCK", 7)  # 50 columns: 8 blocks, the last one short
+    x = torch.randn(n, 50, generator=torch.Generator().manual_seed(n))
+    values = torch.sort(x, dim=0).values
+    assert torch.equal(median(x), values[(n - 1) // 2] * 0.5 + values[n // 2] * 0.5)
+    torch.testing.assert_close(trimmed_mean(x, 2), values[2 : n - 2].mean(dim=0))

@@ -50,11 +50,12 @@ LAYOUT_CASES = {
 # ---------------------------------------------------------------------------------------------- mean == ddp_scratch
 def _fit_mean_and_ddp_scratch(config: ParityConfig) -> dict:
     out = {"ddp_scratch": fit_lightning(config, "ddp_scratch")}
-    for k in (1, 2):
+    for k, sharded in ((1, False), (2, False), (2, True)):
         recorder = LedgerPerBatch()
-        strategy = lightning_zero.RobustDDPStrategy(workers_per_rank=k)
-        out[f"robust_k{k}"] = fit_lightning(config, strategy, callbacks=[recorder])
-        out[f"ledger_k{k}"] = recorder.batches
+        strategy = lightning_zero.RobustDDPStrategy(workers_per_rank=k, sharded_aggregation=sharded)
+        key = f"k{k}" + ("_sharded" if sharded else "")
+        out[f"robust_{key}"] = fit_lightning(config, strategy, callbacks=[recorder])
+        out[f"ledger_{key}"] = recorder.batches
     return out
 
 
@@ -64,16 +65,20 @@ def test_mean_matches_ddp_scratch_and_reference_and_communicates_only_at_boundar
     ours = per_rank[0]
     reference = reference_params(PARITY)
     psi = sum(p.numel() for p in ParityModule().net.parameters())
-    for k in (1, 2):
-        assert max_abs_diff(ours[f"robust_k{k}"], ours["ddp_scratch"]) <= TOLERANCE
-        assert max_abs_diff(ours[f"robust_k{k}"], reference) <= TOLERANCE
-        assert max_abs_diff(per_rank[1][f"robust_k{k}"], ours[f"robust_k{k}"]) == 0.0  # replicas stay equal
-        for batch_idx, records in enumerate(ours[f"ledger_k{k}"]):
+    for key, k in (("k1", 1), ("k2", 2), ("k2_sharded", 2)):
+        assert max_abs_diff(ours[f"robust_{key}"], ours["ddp_scratch"]) <= TOLERANCE
+        assert max_abs_diff(ours[f"robust_{key}"], reference) <= TOLERANCE
+        assert max_abs_diff(per_rank[1][f"robust_{key}"], ours[f"robust_{key}"]) == 0.0  # replicas stay equal
+        for batch_idx, records in enumerate(ours[f"ledger_{key}"]):
             in_epoch = batch_idx % PARITY.batches_per_rank + 1  # the recorder spans both epochs
             boundary = in_epoch % PARITY.accumulate_grad_batches == 0 or in_epoch == PARITY.batches_per_rank
-            gathers = [nbytes for op, tag, nbytes in records if tag == "worker_grads"]
-            # one all-gather of every worker's fp32 gradient per optimizer step, nothing in between
-            assert gathers == ([4 * psi * 2 * k] if boundary else []), (k, batch_idx, records)
+            received = [(op, nbytes) for op, tag, nbytes in records if tag == "worker_grads"]
+            if key.endswith("sharded"):  # per local worker: rank 0's ceil(d / 2) columns of both ranks' rows
+                expected = [("all_to_all", 4 * 2 * -(-psi // 2))] * k
+            else:  # one all-gather of every worker's fp32 gradient
+                expected = [("all_gather", 4 * psi * 2 * k)]
+            # per optimizer step, nothing in between
+            assert received == (expected if boundary else []), (key, batch_idx, records)
             if not boundary:
                 assert records == []
     initial = dict(ParityModule().net.state_dict())
@@ -129,6 +134,50 @@ def test_two_ranks_of_four_workers_equal_one_rank_of_eight(case, tmp_path):
     assert torch.equal(saved[0]["generator"], saved[1]["generator"])  # the same random draws in both layouts
     if saved[0]["center"] is not None:
         torch.testing.assert_close(saved[0]["center"], saved[1]["center"], rtol=1e-6, atol=1e-7)
+
+
+# --------------------------------------------------------------- sharded aggregation: the same fit, checkpoints move
+def _fit_mode(world_size: int, tmp: str, mode: dict, epochs: int, resume: str | None = None, save: str | None = None):
+    L.seed_everything(0, verbose=False)
+    module = _WorkerShardModule()
+    case = LAYOUT_CASES["centered_clipping+bucketing/gaussian"]  # momentum rows, a centre and a generator
+    strategy = lightning_zero.RobustDDPStrategy(workers_per_rank=N_WORKERS // world_size, **mode, **case)
+    config = ParityConfig(world_size=world_size, accumulate_grad_batches=2, max_epochs=epochs, gradient_clip_val=None)
+    trainer = make_trainer(config, strategy, use_distributed_sampler=False, default_root_dir=tmp)
+    trainer.fit(module, ckpt_path=resume)
+    if save is not None:
+        trainer.save_checkpoint(save)
+    return {k: v.detach().clone() for k, v in module.net.state_dict().items()}
+
+
+SHARDED = {"sharded_aggregation": True}
+
+
+def _two_rank_fits(tmp: str) -> dict:
+    half = os.path.join(tmp, "sharded_half.ckpt")
+    return {
+        "unsharded": _fit_mode(2, tmp, {}, epochs=2),
+        "sharded": _fit_mode(2, tmp, SHARDED, epochs=2),
+        "replicated": _fit_mode(2, tmp, {**SHARDED, "aggregation_replicas": 2}, epochs=2),
+        "half": _fit_mode(2, tmp, SHARDED, epochs=1, save=half),
+        "sharded_resumed": _fit_mode(2, tmp, SHARDED, epochs=2, resume=half),
+        "unsharded_resumed": _fit_mode(2, tmp, {}, epochs=2, resume=half),
+    }
+
+
+@pytest.mark.timeout(400)
+def test_sharded_aggregation_trains_as_unsharded_and_its_checkpoints_move_between_modes_and_world_sizes(tmp_path):
+    two = run_workers(_two_rank_fits, 2, str(tmp_path), timeout=300)[0]
+    one = run_workers(_fit_mode, 1, 1, str(tmp_path), {}, 2, str(tmp_path / "sharded_half.ckpt"), timeout=300)[0]
+    initial = dict(ParityModule().net.state_dict())
+    assert max_abs_diff(two["sharded"], initial) > 1e-3
+    assert max_abs_diff(two["sharded"], two["unsharded"]) <= 1e-6  # the same fit up to the order of float sums
+    assert max_abs_diff(two["replicated"], two["sharded"]) == 0.0  # round 0 is the sharded mode
+    assert max_abs_diff(two["sharded_resumed"], two["sharded"]) == 0.0  # resume is bit-identical
+    # the sharded checkpoint resumed unsharded, on 2 ranks and on 1 rank of 8 workers
+    assert max_abs_diff(two["unsharded_resumed"], two["sharded"]) <= 1e-6
+    assert max_abs_diff(one, two["sharded"]) <= 1e-6
+    assert max_abs_diff(two["half"], two["sharded"]) > 1e-4  # the resumed half mattered
 
 
 # ------------------------------------------------------------------------------------------------ resume, in process

@@ -91,3 +91,43 @@ def test_mean_collapses_and_robust_rules_hold_under_attack(accuracies, attack):
         clean, attacked = accuracies[(rule, None)][0], accuracies[(rule, attack)][0]
         assert attacked >= clean - 0.05, (rule, attack, clean, attacked)
     assert accuracies[("krum", attack)][1].last_result.byzantine_selected == 0.0
+
+
+# ------------------------------------------------------------------ sharded aggregation: the same accuracies, 2 ranks
+def _fit_two_ranks(rule: str, attack: str | None, mode: dict) -> float:
+    L.seed_everything(0, verbose=False)
+    data = DigitsDataModule(batch_size=64, worker_split="iid")  # per process: 16 samples for each of its 4 workers
+    model = DigitsMLPModule(hidden_sizes=(64,), dropout=0.0, optimizer=partial(torch.optim.AdamW, lr=3e-3))
+    strategy = lightning_zero.RobustDDPStrategy(
+        rule, f=2, aggregator_kwargs=RULES[rule], workers_per_rank=4, attack=attack, attack_kwargs=ATTACKS.get(attack),
+        **mode,
+    )  # fmt: skip
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=strategy, max_steps=STEPS, max_epochs=-1, val_check_interval=STEPS,
+        check_val_every_n_epoch=None, num_sanity_val_steps=0, use_distributed_sampler=False, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(model, data)
+    return float(trainer.callback_metrics["val/acc"])
+
+
+SHARDED_CASES = [("median", "sign_flip"), ("krum", "ipm"), ("centered_clipping", "sign_flip"), ("trimmed_mean", None)]
+
+
+def _accuracies_by_mode(_: int) -> dict:
+    out = {}
+    for rule, attack in SHARDED_CASES:
+        out[(rule, attack, "unsharded")] = _fit_two_ranks(rule, attack, {})
+        out[(rule, attack, "sharded")] = _fit_two_ranks(rule, attack, {"sharded_aggregation": True})
+    return out
+
+
+def test_sharded_aggregation_gives_the_same_digits_accuracies():
+    from tests.helpers.workers import run_workers
+
+    accuracies = run_workers(_accuracies_by_mode, 2, 0, timeout=600)[0]
+    for rule, attack in SHARDED_CASES:
+        unsharded, sharded = (accuracies[(rule, attack, mode)] for mode in ("unsharded", "sharded"))
+        assert unsharded > 5 * CHANCE, (rule, attack, unsharded)
+        # the same aggregates up to the order of float sums: at most one of the 270 validation digits differs
+        assert abs(sharded - unsharded) <= 1 / 270 + 1e-9, (rule, attack, unsharded, sharded)

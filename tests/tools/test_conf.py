@@ -373,9 +373,28 @@ def test_cli_optuna_sweep_runs_its_trials(tmp_path: Path) -> None:
         (["strategy.aggregator=kurm"], "aggregator='kurm' is invalid: expected one of"),
         (["strategy.workers_per_rank=0"], "workers_per_rank=0 is invalid"),
         (["attack=alie", "~strategy.attack_kwargs.z"], "alie.* z"),
+        (["strategy.aggregation_replicas=2"], "aggregation_replicas=2 needs sharded_aggregation=True"),
+        (
+            ["strategy.sharded_aggregation=true", "strategy.aggregation_replicas=3"],
+            r"aggregation_replicas=3 is invalid for 2 processes: .* expected an integer in \[1, 2\]",
+        ),
     ],
 )
 def test_robust_settings_fail_before_any_process(compose_cfg, overrides: list[str], message: str) -> None:
     cfg = compose_cfg("experiment=robust_digits", *overrides)
     with pytest.raises(ConfigError, match=message):
         validate_config(cfg)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["strategy.stage=3"], "stage=3 is invalid for robust ZeRO: expected 1 or 2"),
+        (["strategy.sharded_aggregation=false"], "sharded_aggregation=False is invalid for robust_zero2_scratch"),
+        (["strategy.find_unused_parameters=true"], "find_unused_parameters=True is not supported by robust_zero2"),
+        (["strategy.state_dict_type=dcp"], "state_dict_type='dcp' is invalid: expected one of"),
+    ],
+)
+def test_robust_zero_settings_fail_when_composed(compose_cfg, overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        validate_config(compose_cfg("strategy=robust_zero2_scratch", *overrides))
