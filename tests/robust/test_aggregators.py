@@ -417,3 +417,11 @@ def test_median_and_trimmed_mean_across_column_blocks_equal_a_whole_sort(n, monk
     values = torch.sort(x, dim=0).values
     assert torch.equal(median(x), values[(n - 1) // 2] * 0.5 + values[n // 2] * 0.5)
     torch.testing.assert_close(trimmed_mean(x, 2), values[2 : n - 2].mean(dim=0))
+
+
+def test_a_finite_row_whose_sum_overflows_is_kept_and_nan_or_inf_anywhere_is_dropped():
+    big = torch.finfo(torch.float32).max
+    x = torch.tensor([[big, big, 1.0], [1.0, 2.0, 3.0], [1.0, math.nan, 0.0], [-math.inf, 0.0, 0.0], [-big, -big, 0.0]])
+    finite, f, kept = drop_nonfinite(x, 2)
+    assert kept.tolist() == [0, 1, 4] and f == 0
+    assert torch.equal(finite, x[[0, 1, 4]])
