@@ -286,7 +286,7 @@ class RobustEngine:
         unused = self._unused_everywhere()
         exchange = self._exchange_now()
         if exchange is not None:
-            result, vector = exchange.aggregate(grads, self.aggregator)
+            result, vector = exchange.aggregate(grads, self.aggregator, unused)
         else:
             vectors = grads.vectors()
             if comm.world_size() > 1 and (self._stack is None or self._stack.shape[1] != grads.numel):
@@ -310,8 +310,11 @@ class RobustEngine:
 
     # ------------------------------------------------------------ sharded aggregation
     def _exchange_now(self) -> ShardedExchange | None:
-        """The exchange, when there is one and more than one process (one process holds every column)."""
-        return self.exchange if comm.world_size() > 1 else None
+        """The exchange, when there is one and more than one process (one process holds every column) or a sink to
+        hand the aggregate to (robust ZeRO, in its optimizer shard's order)."""
+        if self.exchange is None or (comm.world_size() == 1 and self.exchange.sink is None):
+            return None
+        return self.exchange
 
     def send(self, worker: int) -> None:
         """``worker``'s last backward of the window has run: in the sharded mode its vector's exchange starts now, so

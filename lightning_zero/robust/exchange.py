@@ -73,9 +73,9 @@ class ShardedExchange:
         self.received: list[Tensor] = []
         """Every worker's columns of this rank's shards, one ``(n, columns)`` stack per round, in global worker order;
         kept from step to step."""
-        self.sink: Callable[[Tensor], None] | None = None
+        self.sink: Callable[[Tensor, set[str]], None] | None = None
         """Robust ZeRO: takes this rank's aggregated shard (its optimizer shard's gradient), which is then not
-        all-gathered."""
+        all-gathered, and the names of the parameters no rank used in the window."""
         self._aggregate: Tensor | None = None  # the padded aggregate the shards are all-gathered into
         self._groups: list[list[int]] | None = None
         self._layout: ColumnLayout | None = None
@@ -124,11 +124,11 @@ class ShardedExchange:
             self._sent[worker].append(comm.all_to_all(outputs, inputs, async_op=True, tag="worker_grads"))
 
     def aggregate(
-        self, grads: WorkerGradients, aggregator: RobustAggregator
+        self, grads: WorkerGradients, aggregator: RobustAggregator, unused: set[str] = frozenset()
     ) -> tuple[AggregationResult, Tensor | None]:
         """Every worker sent (those not yet now) and received, the rounds aggregated, their digests compared; round
-        0's shard handed to :attr:`sink` (``None`` returned), or the aggregate all-gathered from round 0's ranks and
-        returned."""
+        0's shard handed to :attr:`sink` with ``unused`` (the parameters no rank used; ``None`` returned), or the
+        aggregate all-gathered from round 0's ranks and returned."""
         for worker in range(grads.workers):
             self.send(grads, worker)
         for handles in self._sent.values():
@@ -147,7 +147,7 @@ class ShardedExchange:
         agreed = self._compare_digests(results, layout) if self.replicas > 1 else None
         result = dataclasses.replace(results[0], seconds=sum(r.seconds for r in results))
         if self.sink is not None:
-            self.sink(results[0].vector)
+            self.sink(results[0].vector, unused)
             return result, None
         size = max(layout.size(r) for r in range(layout.world_size)) * layout.world_size
         if self._aggregate is None or self._aggregate.shape[0] != size or self._aggregate.dtype != grads.rows.dtype:
@@ -166,6 +166,8 @@ class ShardedExchange:
     def _total(round_index: int, partial: Tensor) -> Tensor:
         """Round ``round_index``'s partial sums of every shard, all-gathered and added in shard order (rank ``q``
         holds shard ``q - round_index``), so that every rank and round adds the same numbers in the same order."""
+        if comm.world_size() == 1:
+            return partial
         gathered = comm.all_gather_stack(partial.contiguous(), tag="robust_totals")
         return gathered.roll(-round_index, dims=0).sum(dim=0)
 

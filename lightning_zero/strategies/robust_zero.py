@@ -22,7 +22,8 @@ Model-state bytes per rank (fp32 AdamW, Ψ trainable parameters, ``N`` ranks, ``
 gradients 4Ψ (stage 1) or 4Ψ/N (stage 2), optimizer 8Ψ/N, plus the robust rows: this rank's ``k`` worker rows (k 4Ψ,
 twice that with worker momentum) and the received shard of all ``n = k N`` rows (``n / N x 4Ψ``).
 
-Refused, each by name: ``find_unused_parameters=True``, ``shard_size`` (hybrid sharding), ``grad_sync``,
+With ``find_unused_parameters=True`` a parameter no rank used in a window is left untouched by the step and gets no
+``p.grad``, as under ``robust_ddp_scratch``. Refused, each by name: ``shard_size`` (hybrid sharding), ``grad_sync``,
 ``grad_reduction`` and ``grad_accum_dtype`` (the robust rows accumulate every micro-batch locally and are exchanged once
 per optimizer step: there is no gradient reduction to tune), ``sharded_aggregation=False``, and the precision settings
 ``robust_ddp_scratch`` refuses.
@@ -63,11 +64,6 @@ def check_settings(stage: Any, settings: dict[str, Any]) -> None:
         raise ValueError(
             f"{given} is not supported by {name}: its gradients are not reduced but aggregated once per optimizer"
             " step, each rank on the columns of its optimizer shard; leave it unset"
-        )
-    if settings.get("find_unused_parameters"):
-        raise ValueError(
-            f"find_unused_parameters=True is not supported by {name}: every trainable parameter must get a gradient"
-            " from every worker (use robust_ddp_scratch, or freeze the parameters a step does not use)"
         )
     if settings.get("sharded_aggregation", True) is not True:
         raise ValueError(
@@ -119,11 +115,11 @@ class RobustZeroStrategy(RobustDDPStrategy, ZeroStrategy):
                 self.precision_policy,
                 self.model,
                 self.optimizers[0],
-                find_unused_parameters=False,
+                find_unused_parameters=self.find_unused_parameters,
                 reduce_gradients=False,
             )
             groups = [g.params for g in self._engine.groups]  # the rows' columns of each flat group, in its order
-            self.robust_engine.attach(self.model, find_unused_parameters=False, groups=groups)
+            self.robust_engine.attach(self.model, find_unused_parameters=self.find_unused_parameters, groups=groups)
             self.robust_engine.exchange.sink = self._engine.set_shard_grads  # type: ignore[union-attr]
             self._record_trainable()
             # [Note: global-norm clipping] in lightning_zero/strategies/zero.py

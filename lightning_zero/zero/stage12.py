@@ -257,6 +257,8 @@ class ShardedOptimizer:
         check_in_optimizer([name for name, p in module.named_parameters() if p.requires_grad and id(p) not in seen])
         self.masters_loaded = False
         self.reduce_dtype = reduce_dtype
+        self.find_unused_parameters = find_unused_parameters
+        self._unused_given: set[str] = set()  # reduce_gradients=False: what set_shard_grads was told no rank used
         self.reducer: GradientReducer | None = None
         if reduce_gradients:
             self.reducer = self._build_reducer(module, bucket_cap_bytes, find_unused_parameters, reduce_dtype)
@@ -396,7 +398,7 @@ class ShardedOptimizer:
     def unused_everywhere(self) -> set[str]:
         """Parameters no rank used in the last synchronised window (with ``find_unused_parameters``)."""
         if self.reducer is None:
-            return set()
+            return set(self._unused_given)
         return {self.reducer.names[i] for i in self.reducer.unused_everywhere}
 
     def before_step(self) -> None:
@@ -407,7 +409,7 @@ class ShardedOptimizer:
                 grad = self._shard_of_flat_grad(g) if self.persistent else g.shard_grad
                 g.shard.grad = grad.to(g.shard.dtype)  # dropped again in after_step
                 g.accumulating = False
-        if self.reducer is not None and self.reducer.find_unused_parameters:
+        if self.find_unused_parameters:
             self._held.hold(self.param_pieces, self.unused_everywhere)
 
     def after_step(self) -> None:
@@ -430,10 +432,13 @@ class ShardedOptimizer:
         for g in self.groups:  # a master shard is rounded to the gather dtype on the way
             comm.all_gather(g.flat, g.shard.detach(), group=self.group, tag="params", dtype=g.gather_dtype)
 
-    def set_shard_grads(self, values: Tensor) -> None:
+    def set_shard_grads(self, values: Tensor, unused: set[str] = frozenset()) -> None:
         """Gradients from outside (``reduce_gradients=False``): ``values`` holds this rank's shard of every group's
         gradient, group after group, without the padding. They become the shard gradients; stage 1 (``"boundary"``)
-        all-gathers them into its full flat gradient, whose views become the ``p.grad`` (as after its reduction)."""
+        all-gathers them into its full flat gradient, whose views become the ``p.grad`` (as after its reduction).
+        ``unused``: the parameters no rank used in the window (with ``find_unused_parameters``), which the step then
+        leaves untouched and which get no ``p.grad``."""
+        self._unused_given = set(unused)
         offset = 0
         for g in self.groups:
             length = max(min(g.end, g.layout.numel) - g.start, 0)
@@ -445,8 +450,8 @@ class ShardedOptimizer:
             if self.persistent:
                 assert g.flat_grad is not None
                 comm.all_gather(g.flat_grad, target, group=self.group, tag="grads")
-                for p, start in zip(g.params, g.layout.offsets):
-                    p.grad = g.flat_grad.narrow(0, start, p.numel()).view_as(p)
+                for name, p, start in zip(g.names, g.params, g.layout.offsets):
+                    p.grad = None if name in unused else g.flat_grad.narrow(0, start, p.numel()).view_as(p)
         if offset != values.numel():
             raise ValueError(f"set_shard_grads got {values.numel()} values: this rank's shards hold {offset}")
 

@@ -13,10 +13,13 @@ import lightning as L
 import torch
 from lightning.pytorch.strategies import DDPStrategy
 
-from lightning_zero import RobustDDPStrategy, ScratchDDPStrategy, ZeroStrategy
+from lightning_zero import RobustDDPStrategy, RobustZeroStrategy, ScratchDDPStrategy, ZeroStrategy
 from lightning_zero.tools.parity import GlobalBatchSampler as GlobalBatchSampler  # re-exported for the tests
 
-OURS = ("ddp_scratch", "robust_ddp_scratch", "zero1_scratch", "zero2_scratch", "zero3_scratch")
+OURS = (
+    "ddp_scratch", "robust_ddp_scratch", "robust_zero1_scratch", "robust_zero2_scratch", "zero1_scratch",
+    "zero2_scratch", "zero3_scratch",
+)  # fmt: skip
 """Every registered strategy (the ``_spawn`` variants differ in the launcher only)."""
 
 
@@ -28,6 +31,8 @@ def make_strategy(name: str, **kwargs: Any) -> Any:
         return ScratchDDPStrategy(**kwargs)
     if name == "robust_ddp_scratch":
         return RobustDDPStrategy(**kwargs)
+    if name.startswith("robust_zero"):
+        return RobustZeroStrategy(stage=int(name[11]), **kwargs)
     return ZeroStrategy(stage=int(name[4]), **kwargs)
 
 

@@ -554,8 +554,8 @@ def test_unfreezing_during_the_fit(runs, name):
     assert max_diff(ddp[0], ddp[1]) > 1e-4
     if name != "ddp_scratch":  # ZeRO refuses the callback at setup, robust_ddp_scratch the first step after it
         error = runs[0]["finetuning", name]["error"]
-        expected = "cannot run ['BackboneFinetuning']" if name.startswith("zero") else "changed requires_grad"
-        assert expected in error and ("backbone.0.weight" in error or name.startswith("zero")), error
+        expected = "cannot run ['BackboneFinetuning']" if "zero" in name else "changed requires_grad"
+        assert expected in error and ("backbone.0.weight" in error or "zero" in name), error
         return
     reference = state_of(_reference(FinetuneModule, epochs=2, callbacks=[BackboneFinetuning(1)]))
     for rank in range(WORLD):

@@ -17,7 +17,7 @@ import torch
 
 import lightning_zero
 from lightning_zero.demo.digits import DigitsDataModule, DigitsMLPModule
-from tests.helpers.workers import free_port
+from tests.helpers.workers import free_port, run_workers
 
 pytest.importorskip("sklearn")
 
@@ -36,18 +36,22 @@ ROBUST = ["median", "trimmed_mean", "krum", "geometric_median", "centered_clippi
 ATTACKS = {"sign_flip": {"scale": 4.0}, "ipm": {"eps": 10.0}}
 
 
-def _fit(rule: str, attack: str | None = None) -> tuple[float, lightning_zero.RobustDDPStrategy]:
-    """Validation accuracy after ``STEPS`` steps; the strategy for its last aggregation result."""
+def _fit(
+    rule: str, attack: str | None = None, devices: int = 1, **mode
+) -> tuple[float, lightning_zero.RobustDDPStrategy]:
+    """Validation accuracy after ``STEPS`` steps of n = 8 workers on ``devices`` processes; the strategy for its last
+    aggregation result. ``mode``: ``sharded_aggregation``."""
     L.seed_everything(0, verbose=False)
-    data = DigitsDataModule(batch_size=128, worker_split="iid")  # 16 samples per worker and step
+    data = DigitsDataModule(batch_size=128 // devices, worker_split="iid")  # 16 samples per worker and step
     model = DigitsMLPModule(hidden_sizes=(64,), dropout=0.0, optimizer=partial(torch.optim.AdamW, lr=3e-3))
     strategy = lightning_zero.RobustDDPStrategy(
-        rule, f=2, aggregator_kwargs=RULES[rule], workers_per_rank=8, attack=attack, attack_kwargs=ATTACKS.get(attack)
-    )
+        rule, f=2, aggregator_kwargs=RULES[rule], workers_per_rank=8 // devices, attack=attack,
+        attack_kwargs=ATTACKS.get(attack), **mode,
+    )  # fmt: skip
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, strategy=strategy, max_steps=STEPS, max_epochs=-1, val_check_interval=STEPS,
-        check_val_every_n_epoch=None, num_sanity_val_steps=0, use_distributed_sampler=False, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS, max_epochs=-1,
+        val_check_interval=STEPS, check_val_every_n_epoch=None, num_sanity_val_steps=0, use_distributed_sampler=False,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )  # fmt: skip
     trainer.fit(model, data)
     return float(trainer.callback_metrics["val/acc"]), strategy
@@ -94,37 +98,18 @@ def test_mean_collapses_and_robust_rules_hold_under_attack(accuracies, attack):
 
 
 # ------------------------------------------------------------------ sharded aggregation: the same accuracies, 2 ranks
-def _fit_two_ranks(rule: str, attack: str | None, mode: dict) -> float:
-    L.seed_everything(0, verbose=False)
-    data = DigitsDataModule(batch_size=64, worker_split="iid")  # per process: 16 samples for each of its 4 workers
-    model = DigitsMLPModule(hidden_sizes=(64,), dropout=0.0, optimizer=partial(torch.optim.AdamW, lr=3e-3))
-    strategy = lightning_zero.RobustDDPStrategy(
-        rule, f=2, aggregator_kwargs=RULES[rule], workers_per_rank=4, attack=attack, attack_kwargs=ATTACKS.get(attack),
-        **mode,
-    )  # fmt: skip
-    trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=strategy, max_steps=STEPS, max_epochs=-1, val_check_interval=STEPS,
-        check_val_every_n_epoch=None, num_sanity_val_steps=0, use_distributed_sampler=False, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-    )  # fmt: skip
-    trainer.fit(model, data)
-    return float(trainer.callback_metrics["val/acc"])
-
-
 SHARDED_CASES = [("median", "sign_flip"), ("krum", "ipm"), ("centered_clipping", "sign_flip"), ("trimmed_mean", None)]
 
 
 def _accuracies_by_mode(_: int) -> dict:
     out = {}
     for rule, attack in SHARDED_CASES:
-        out[(rule, attack, "unsharded")] = _fit_two_ranks(rule, attack, {})
-        out[(rule, attack, "sharded")] = _fit_two_ranks(rule, attack, {"sharded_aggregation": True})
+        out[(rule, attack, "unsharded")] = _fit(rule, attack, devices=2)[0]
+        out[(rule, attack, "sharded")] = _fit(rule, attack, devices=2, sharded_aggregation=True)[0]
     return out
 
 
 def test_sharded_aggregation_gives_the_same_digits_accuracies():
-    from tests.helpers.workers import run_workers
-
     accuracies = run_workers(_accuracies_by_mode, 2, 0, timeout=600)[0]
     for rule, attack in SHARDED_CASES:
         unsharded, sharded = (accuracies[(rule, attack, mode)] for mode in ("unsharded", "sharded"))

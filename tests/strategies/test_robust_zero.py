@@ -174,7 +174,6 @@ def test_lightning_boring_model_trains_as_under_lightning_ddp():
         (dict(stage=3), "stage=3 is invalid for robust ZeRO: expected 1 or 2"),
         (dict(stage=2, grad_sync="microbatch"), "grad_sync='microbatch' is not supported by robust_zero2_scratch"),
         (dict(stage=1, shard_size=1), "shard_size=1 is not supported by robust_zero1_scratch"),
-        (dict(find_unused_parameters=True), "find_unused_parameters=True is not supported by robust_zero2_scratch"),
         (dict(sharded_aggregation=False), "sharded_aggregation=False is invalid for robust_zero2_scratch"),
     ],
 )
