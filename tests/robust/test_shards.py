@@ -6,6 +6,7 @@ its columns, and ``total`` adds every thread's partial sums ([Note: sharded aggr
 from __future__ import annotations
 
 import threading
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -125,16 +126,23 @@ def test_every_rule_under_every_attack_equals_the_unsharded_pipeline(rule, attac
     _assert_sharded_equals_unsharded(_maker(rule, attack=attack), world)
 
 
+def _accepted(rule: str, pre: str) -> bool:
+    """Whether the pipeline validates for n = 8 (Krum, Multi-Krum and Bulyan refuse the 4 buckets of bucketing)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the mean with f > 0
+        try:
+            _maker(rule, pre)()
+        except ValueError:
+            return False
+    return True
+
+
 @pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("pre", ["nnm", "bucketing", "clip"])
-@pytest.mark.parametrize("rule", list(RULES))
+@pytest.mark.parametrize(
+    ("rule", "pre"), [(rule, pre) for rule in RULES for pre in ("nnm", "bucketing", "clip") if _accepted(rule, pre)]
+)
 def test_every_pre_aggregator_before_every_rule_equals_the_unsharded_pipeline(rule, pre, world):
-    make = _maker(rule, pre, attack="gaussian")
-    try:
-        make()
-    except ValueError:  # e.g. Krum on the 4 buckets of 8 rows: refused for both pipelines alike
-        pytest.skip(f"{rule} after {pre} is refused for n={N}, f={F}")
-    _assert_sharded_equals_unsharded(make, world)
+    _assert_sharded_equals_unsharded(_maker(rule, pre, attack="gaussian"), world)
 
 
 def test_an_empty_shard_takes_part_in_the_totals():
