@@ -34,8 +34,6 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from typing_extensions import override
 
@@ -44,6 +42,7 @@ from lightning_zero.strategies.robust import RobustDDPStrategy
 from lightning_zero.strategies.zero import ZeroStrategy
 from lightning_zero.training.distributed import ROBUST_ZERO_NAMES
 from lightning_zero.zero.settings import build_stage12
+from lightning_zero.zero.stage12 import ShardedOptimizer
 
 _NO_REDUCTION = ("grad_sync", "grad_reduction", "grad_accum_dtype", "shard_size")
 """ZeRO settings of the gradient reduction, which robust ZeRO replaces."""
@@ -97,35 +96,33 @@ class RobustZeroStrategy(RobustDDPStrategy, ZeroStrategy):
     @override
     def strategy_buffers(self) -> list[Tensor]:
         """The robust rows (:attr:`RobustDDPStrategy.strategy_buffers`) and the ZeRO engine's flat buffers."""
-        return self.robust_engine.buffers + ZeroStrategy.strategy_buffers.fget(self)  # type: ignore[attr-defined]
+        engine = self.engine
+        return self.robust_engine.buffers + (engine.strategy_buffers if engine is not None else [])
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        self._setup_replicas(trainer)
-        if trainer.state.fn == TrainerFn.FITTING:
-            if not self.lightning_module.automatic_optimization:
-                raise ValueError(f"{self.strategy_name} needs automatic optimization (automatic_optimization=True)")
-            self._check_no_finetuning(trainer)
-            self.setup_optimizers(trainer)
-            self._check_one_optimizer()
-            _optimizers_to_device(self.optimizers, self.root_device)
-            assert self.model is not None
-            self._engine = build_stage12(
-                self.settings,
-                self.precision_policy,
-                self.model,
-                self.optimizers[0],
-                find_unused_parameters=self.find_unused_parameters,
-                reduce_gradients=False,
-            )
-            groups = [g.params for g in self._engine.groups]  # the rows' columns of each flat group, in its order
-            self.robust_engine.attach(self.model, find_unused_parameters=self.find_unused_parameters, groups=groups)
-            self.robust_engine.exchange.sink = self._engine.set_shard_grads  # type: ignore[union-attr]
-            self._record_trainable()
-            # [Note: global-norm clipping] in lightning_zero/strategies/zero.py
-            self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm  # type: ignore[method-assign]
-        self._setup_precision(trainer, cast_module=False)  # as robust_ddp_scratch: the module's own parameters
-        self.setup_precision_plugin()
+        ZeroStrategy.setup(self, trainer)  # not robust_ddp_scratch's: the ZeRO engine, built by the hook below
+
+    @override
+    def _build_stage12(self) -> ShardedOptimizer:
+        """The ZeRO engine without its gradient reduction, the robust rows over its flat groups' columns, and the
+        aggregated shard handed to it."""
+        if not self.lightning_module.automatic_optimization:
+            raise ValueError(f"{self.strategy_name} needs automatic optimization (automatic_optimization=True)")
+        assert self.model is not None
+        engine = build_stage12(
+            self.settings,
+            self.precision_policy,
+            self.model,
+            self.optimizers[0],
+            find_unused_parameters=self.find_unused_parameters,
+            reduce_gradients=False,
+        )
+        groups = [g.params for g in engine.groups]  # the rows' columns of each flat group, in its order
+        self.robust_engine.attach(self.model, find_unused_parameters=self.find_unused_parameters, groups=groups)
+        assert self.robust_engine.exchange is not None
+        self.robust_engine.exchange.sink = engine.set_shard_grads
+        return engine
 
     # ------------------------------------------------------------ checkpoints
     @override

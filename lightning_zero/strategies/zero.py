@@ -239,19 +239,23 @@ class ZeroStrategy(ScratchParallelStrategy):
             self.setup_optimizers(trainer)
             self._check_one_optimizer()
             _optimizers_to_device(self.optimizers, self.root_device)
-            self._engine = build_stage12(
-                self.settings,
-                self.precision_policy,
-                self.model,
-                self.optimizers[0],
-                find_unused_parameters=self.find_unused_parameters,
-            )
+            self._engine = self._build_stage12()
             self._record_trainable()
             # [Note: global-norm clipping] Lightning's Precision.clip_grad_by_norm takes the norm of the optimizer's
             # parameters' gradients, here this rank's shard only. Route it to the engine's global norm instead.
             self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm  # type: ignore[method-assign]
         self._setup_precision(trainer, cast_module=trainer.state.fn == TrainerFn.FITTING)
         self.setup_precision_plugin()
+
+    def _build_stage12(self) -> ShardedOptimizer:
+        """Stages 1 and 2, fitting: the engine over the model and the optimizer set up (subclasses: robust ZeRO)."""
+        return build_stage12(
+            self.settings,
+            self.precision_policy,
+            self.model,
+            self.optimizers[0],
+            find_unused_parameters=self.find_unused_parameters,
+        )
 
     def _setup_stage3(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
