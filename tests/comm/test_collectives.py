@@ -88,3 +88,33 @@ def test_ledger_selects_by_op_and_tag():
     assert ledger.bytes(tag="grads") == 108
     assert ledger.calls(op="all_reduce", tag="grads") == 1
     assert ledger.summary()[("all_reduce", "log")] == (1, 4)
+
+
+def _all_to_all_worker(world_size: int) -> dict:
+    """Rank r sends rank q the pieces ``[q * 10 + r] * (q + 1)`` and ``[r] * q`` (sizes depend on the receiver: the
+    second piece is empty for q = 0), two calls in flight at once."""
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    comm.LEDGER.reset()
+    handles, received = [], []
+    for call in range(2):
+        inputs = [
+            [torch.full((q + 1,), q * 10.0 + rank + call), torch.full((q,), float(rank))] for q in range(world_size)
+        ]
+        outputs = [[torch.empty(rank + 1), torch.empty(rank)] for _ in range(world_size)]
+        handles.append(comm.all_to_all(outputs, inputs, async_op=True, tag="a2a"))
+        received.append(outputs)
+    for handle in handles:
+        handle.wait()
+    return {"received": received, "ledger": comm.LEDGER.bytes("all_to_all", "a2a")}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_all_to_all_of_uneven_and_empty_pieces(world_size):
+    results = run_workers(_all_to_all_worker, world_size, world_size)
+    for rank, out in enumerate(results):
+        for call, outputs in enumerate(out["received"]):
+            for src, (first, second) in enumerate(outputs):
+                assert torch.equal(first, torch.full((rank + 1,), rank * 10.0 + src + call))
+                assert torch.equal(second, torch.full((rank,), float(src)))
+        assert out["ledger"] == 2 * 4 * world_size * (2 * rank + 1)  # what this rank received, its own pieces included
