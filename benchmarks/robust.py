@@ -64,16 +64,14 @@ MIB = 2**20
 def make_strategy(name: str, args: argparse.Namespace) -> Any:
     if name == "ddp_scratch":
         return ScratchDDPStrategy()
-    rule, _, mode = name.partition("_sharded") if "_sharded" in name else (name, "", "")
-    for suffix in ("_replicated", "_zero2"):
-        if name.endswith(suffix):
-            rule, mode = name[: -len(suffix)], suffix
+    mode = next((m for m in MODES if m and name.endswith(m)), "")
+    rule = name[: len(name) - len(mode)]
     robust = dict(aggregator=rule, f=0 if rule == "mean" else args.f, workers_per_rank=args.workers_per_rank)
     if mode == "_zero2":
         return RobustZeroStrategy(stage=2, **robust)
     if mode == "_replicated":
         return RobustDDPStrategy(sharded_aggregation=True, aggregation_replicas=2, **robust)
-    return RobustDDPStrategy(sharded_aggregation=name.endswith("_sharded"), **robust)
+    return RobustDDPStrategy(sharded_aggregation=mode == "_sharded", **robust)
 
 
 class MemoryProbe(L.Callback):
