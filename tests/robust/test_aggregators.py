@@ -408,6 +408,30 @@ def test_the_sorting_network_sorts_every_column(n):
     assert len(sorting_network(8)) == 19
 
 
+@pytest.mark.parametrize("n", range(1, 13))
+def test_the_selection_network_leaves_every_range_of_ranks_in_place(n):
+    from lightning_zero.robust.aggregators import selection_network, sorting_network
+
+    g = torch.Generator().manual_seed(n)
+    x = torch.cat([torch.randn(n, 300, generator=g), torch.randint(0, 3, (n, 300), generator=g).float()], dim=1)
+    values = torch.sort(x, dim=0).values
+    for lo in range(n):
+        for hi in range(lo + 1, n + 1):
+            rows = list(x.clone())
+            for i, j, low, high in selection_network(n, lo, hi):
+                a, b = rows[i], rows[j]
+                if low:
+                    rows[i] = torch.minimum(a, b)
+                if high:
+                    rows[j] = torch.maximum(a, b)
+            kept = torch.sort(torch.stack(rows[lo:hi]), dim=0).values
+            assert torch.equal(kept, values[lo:hi]), (lo, hi)
+            assert sum(low + high for _, _, low, high in selection_network(n, lo, hi)) <= 2 * len(sorting_network(n))
+    assert sum(low + high for _, _, low, high in selection_network(8, 3, 5)) == 26  # the median of 8
+    with pytest.raises(ValueError, match=r"positions \[3, 3\) are not a non-empty range of n=8 sorted values"):
+        selection_network(8, 3, 3)
+
+
 @pytest.mark.parametrize("n", [5, 8, 70])  # 70 rows: torch.sort instead of the network
 def test_median_and_trimmed_mean_across_column_blocks_equal_a_whole_sort(n, monkeypatch):
     import lightning_zero.robust.aggregators as aggregators

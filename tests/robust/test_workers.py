@@ -328,3 +328,16 @@ def test_rows_take_the_parameters_dtype():
     assert wg.rows.dtype == torch.float32
     assert wg.numel == 3 * 4 + 4 + 4 * 2 + 2
     assert wg.rows.shape == (4, wg.numel)
+
+
+def test_sparse_gradients_land_in_the_row_and_accumulate():
+    embedding = nn.Embedding(10, 3, sparse=True)
+    wg = WorkerGradients(list(embedding.parameters()), workers=2)
+    for ids in ([1, 2], [2]):  # two backward passes of one worker
+        wg.bind(0)
+        embedding(torch.tensor(ids)).sum().backward()
+        wg.collect(0)
+    expected = torch.zeros(10, 3)
+    expected[1], expected[2] = 1.0, 2.0
+    assert torch.equal(wg.rows[0].view(10, 3), expected)
+    assert torch.count_nonzero(wg.rows[1]) == 0
