@@ -93,7 +93,7 @@ class DataParallelEngine:
                 self.compressor.reset_buckets()
 
     def attach_optimizers(self, optimizers: list[Optimizer]) -> None:
-        """Rebuild each optimizer's param groups over fp32 masters when the policy keeps them (no state yet)."""
+        """Rebuild each optimizer's param groups over fp32 masters when the policy keeps them (state moved along)."""
         if self.master_dtype is not None:
             self._masters = {id(o): MasterWeights(o, self.master_dtype, self._originals) for o in optimizers}
         self._originals = {}

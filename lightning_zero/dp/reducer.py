@@ -62,6 +62,12 @@ POOL_SIZE = 2
 """Pool buffers of a transient reducer: one bucket filling while the previous one is reduced."""
 
 
+def dense_grad(grad: Tensor) -> Tensor:
+    """``grad`` as a dense tensor: a sparse gradient (``nn.Embedding(sparse=True)``) enters the dense buckets and
+    shards as its dense equal, so an optimizer that takes both (SGD, Adagrad) steps as under ``ddp``."""
+    return grad.to_dense() if grad.is_sparse else grad
+
+
 @dataclass
 class GradBucket:
     """One bucket: its members (indices into the reducer's parameter list) and where each sits in the buffer.
@@ -256,7 +262,7 @@ class GradientReducer:
             p = self._params[i]
             view = buffer.narrow(0, offset, p.numel()).view_as(p)
             if p.grad is not None:
-                view.copy_(p.grad)
+                view.copy_(dense_grad(p.grad))
                 p.grad = None if self._cast[i] else view
                 self._in_buffer[i] = self._in_buffer[i] or self._cast[i]
             bucket.views.append(view)
@@ -298,10 +304,10 @@ class GradientReducer:
         view = self._view(i)
         if self._cast[i]:  # an accumulation bucket: cast in, add within the window
             if param.grad is not None:  # else _view's binding of a borrowed buffer took it in already
-                (view.add_ if self._in_buffer[i] else view.copy_)(param.grad.view_as(view))
+                (view.add_ if self._in_buffer[i] else view.copy_)(dense_grad(param.grad).view_as(view))
                 param.grad = None
-        elif param.grad.data_ptr() != view.data_ptr():
-            view.copy_(param.grad)
+        elif param.grad.is_sparse or param.grad.data_ptr() != view.data_ptr():
+            view.copy_(dense_grad(param.grad))
             param.grad = view
         self._used[i] = self._in_buffer[i] = True
         if not self.require_backward_grad_sync:

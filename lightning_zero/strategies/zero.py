@@ -37,7 +37,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.pytorch.callbacks import BaseFinetuning
+from lightning.pytorch.callbacks import BaseFinetuning, StochasticWeightAveraging, WeightAveraging
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
@@ -282,6 +282,7 @@ class ZeroStrategy(ScratchParallelStrategy):
             )
         if trainer.state.fn == TrainerFn.FITTING:
             self._check_no_finetuning(trainer)
+            self._check_no_weight_averaging(trainer)
             self.setup_optimizers(trainer)
             self._check_one_optimizer()
             self._params.attach_optimizer(self.optimizers[0])
@@ -300,6 +301,17 @@ class ZeroStrategy(ScratchParallelStrategy):
                 " parameters trainable at setup. Declare them trainable from the start (requires_grad=True, in their"
                 " own optimizer param group with lr=0 until they should train), or use ddp_scratch, which follows"
                 " such changes."
+            )
+
+    def _check_no_weight_averaging(self, trainer: pl.Trainer) -> None:
+        averaging = (StochasticWeightAveraging, WeightAveraging)
+        refused = [type(c).__name__ for c in trainer.callbacks if isinstance(c, averaging)]
+        if refused:
+            raise ValueError(
+                f"{self.strategy_name} cannot run {refused}: such a callback reads and writes the module's parameters"
+                " between steps, where stage 3 holds only this rank's shard of them (Lightning supports neither"
+                " under FSDP or DeepSpeed). Use zero1_scratch or zero2_scratch, which keep the whole parameters on"
+                " every rank."
             )
 
     def _check_one_optimizer(self) -> None:

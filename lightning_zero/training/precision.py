@@ -194,12 +194,20 @@ def cast_floats(data: Any, dtype: torch.dtype) -> Any:
     return apply_to_collection(data, Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t)
 
 
+def _as_master(value: Any, master: Tensor) -> Any:
+    """An optimizer state value of a parameter, for its master: shaped like it, in its dtype."""
+    if isinstance(value, Tensor) and value.is_floating_point() and value.shape == master.shape:
+        return value.to(master.dtype)
+    return value
+
+
 class MasterWeights:
     """``ddp_scratch``'s master copies: the optimizer steps fp32 copies of low-precision parameters.
 
-    Built over an optimizer whose param groups hold the module's parameters (no state yet); rebuilds the groups in
-    place over the masters, as ZeRO rebuilds them over shards. ``grad_of(p)`` gives where the (reduced) gradient of
-    ``p`` lives in ``dtype`` (the reducer's accumulation buckets).
+    Built over an optimizer whose param groups hold the module's parameters; rebuilds the groups in place over the
+    masters, as ZeRO rebuilds them over shards, and moves state the optimizer already holds (Adagrad's sums, made by its
+    constructor) to them, its tensors shaped like the parameter in the master's dtype. ``grad_of(p)`` gives where the
+    (reduced) gradient of ``p`` lives in ``dtype`` (the reducer's accumulation buckets).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, dtype: torch.dtype, originals: dict[int, Tensor]) -> None:
@@ -210,6 +218,9 @@ class MasterWeights:
             for p in group["params"]:
                 value = originals.get(id(p), p.detach())
                 master = nn.Parameter(value.to(dtype, copy=True), requires_grad=p.requires_grad)
+                if p in optimizer.state:
+                    state = optimizer.state.pop(p)
+                    optimizer.state[master] = {k: _as_master(v, master) for k, v in state.items()}
                 self.pairs.append((p, master))
                 masters.append(master)
             group["params"] = masters

@@ -5,12 +5,29 @@ order, in one flat buffer of ``numel`` elements, padded with zeros to ``padded_n
 N. Rank r owns the contiguous slice ``[r*S, (r+1)*S)`` with ``S = padded_numel / N``, so shards differ by at most
 the padding (< N elements) whatever the parameter sizes. Nothing here needs processes
 (``tests/zero/test_partition.py``).
+
+[Note: elementwise optimizers] A shard cuts tensors anywhere and the optimizer steps it as one 1-D tensor, so ZeRO
+trains as ``ddp`` only with an optimizer whose update of each element depends on that element's parameter, gradient
+and state alone (plus scalars such as the step count): SGD, Adam, AdamW and the rest of ``torch.optim`` but the four in
+:data:`NOT_ELEMENTWISE`, which :func:`check_elementwise` refuses. An optimizer from outside ``torch.optim`` gets a
+warning: ZeRO cannot tell whether its update is elementwise.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import torch
+
+NOT_ELEMENTWISE: dict[type, str] = {
+    torch.optim.LBFGS: "its step re-evaluates the closure and takes dot products over all parameters",
+    torch.optim.Adafactor: "it factors the second moment of each matrix by rows and columns and scales by its RMS",
+    torch.optim.Muon: "it orthogonalizes each weight matrix as a whole",
+    torch.optim.SparseAdam: "it takes sparse gradients, and ZeRO reduces dense flat ones",
+}
+"""The ``torch.optim`` optimizers ZeRO refuses, and why ([Note: elementwise optimizers])."""
 
 
 def shard_ranges(numel: int, world_size: int) -> dict[int, tuple[int, int]]:
@@ -73,3 +90,22 @@ def flat_layout(numels: Sequence[int], world_size: int) -> FlatLayout:
         offsets.append(total)
         total += numel
     return FlatLayout(numels=tuple(numels), offsets=tuple(offsets), world_size=world_size)
+
+
+def check_elementwise(optimizer: torch.optim.Optimizer) -> None:
+    """Raise if ``optimizer`` is one of :data:`NOT_ELEMENTWISE`; warn if it is not a ``torch.optim`` optimizer
+    ([Note: elementwise optimizers])."""
+    kind = type(optimizer)
+    for refused, why in NOT_ELEMENTWISE.items():
+        if isinstance(optimizer, refused):
+            raise ValueError(
+                f"{kind.__name__} cannot be sharded by ZeRO: {why}, so each rank would step its shard differently"
+                " from the whole model under ddp. Use it with ddp_scratch, or use an elementwise optimizer (SGD, Adam,"
+                " AdamW, ...)"
+            )
+    if not any(c is not torch.optim.Optimizer and c.__module__.startswith("torch.optim.") for c in kind.__mro__):
+        warnings.warn(
+            f"ZeRO shards {kind.__module__}.{kind.__qualname__} element by element: it trains as under ddp only if"
+            " its update of each element depends on that element alone (as SGD's and Adam's do)",
+            stacklevel=2,
+        )

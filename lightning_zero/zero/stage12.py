@@ -67,7 +67,7 @@ from lightning_zero.comm import collectives as comm
 from lightning_zero.comm.bucketing import assign_buckets
 from lightning_zero.dp.reducer import GradBucket, GradientReducer
 from lightning_zero.zero.grad_norm import clip_grad_norm_
-from lightning_zero.zero.partition import FlatLayout, flat_layout
+from lightning_zero.zero.partition import FlatLayout, check_elementwise, flat_layout
 from lightning_zero.zero.unused import HeldPieces, ParamPieces, param_pieces
 
 GRAD_SYNC_MODES = ("boundary", "microbatch")
@@ -81,6 +81,18 @@ def check_in_optimizer(missing: list[str]) -> None:
             f"trainable parameters {missing} are in no optimizer param group: ZeRO shards the optimizer, so add"
             " them to a group or freeze them (requires_grad=False)"
         )
+
+
+def set_aside_state(optimizer: torch.optim.Optimizer) -> dict | None:
+    """[Note: state made before sharding] An optimizer may hold state before ZeRO rebuilds it over the shards:
+    Adagrad makes its sums in its constructor, and a user may hand over one that has stepped. Returns its full state
+    dict (``None`` if it holds none) and empties its state; the engine loads that back into the shards, as from a full
+    checkpoint, so the first step starts from it as under ``ddp``."""
+    if not optimizer.state:
+        return None
+    initial = optimizer.state_dict()
+    optimizer.state.clear()
+    return initial
 
 
 def hyperparameters(param_groups: list[dict]) -> list[dict]:
@@ -172,7 +184,8 @@ class ShardedOptimizer:
 
     Args:
         module: the model; every trainable parameter must be in some param group of ``optimizer``.
-        optimizer: any ``torch.optim`` optimizer, with no state yet.
+        optimizer: a ``torch.optim`` optimizer ([Note: elementwise optimizers] in ``lightning_zero/zero/partition.py``);
+            state it already holds is sharded with it ([Note: state made before sharding]).
         stage: 1 or 2; sets the default of ``grad_sync``.
         grad_sync: ``"boundary"`` or ``"microbatch"`` (see the module docstring); ``None``: ``"boundary"`` for
             stage 1, ``"microbatch"`` for stage 2.
@@ -221,8 +234,8 @@ class ShardedOptimizer:
         grad_sync = grad_sync or ("boundary" if stage == 1 else "microbatch")
         if grad_sync not in GRAD_SYNC_MODES:
             raise ValueError(f"grad_sync={grad_sync!r} is invalid: expected one of {GRAD_SYNC_MODES}")
-        if optimizer.state:
-            raise ValueError("the optimizer already has state: ZeRO must shard it before the first step")
+        check_elementwise(optimizer)
+        initial = set_aside_state(optimizer)
         self.stage, self.grad_sync, self.group, self.optimizer = stage, grad_sync, group, optimizer
         self.persistent = stage == 1 and grad_sync == "boundary"
         self.replicate_group = replicate_group
@@ -270,6 +283,10 @@ class ShardedOptimizer:
                     g.shard_grad = torch.zeros_like(g.shard, dtype=g.grad_dtype)
         self._held = HeldPieces(optimizer)
         self._pieces = [param_pieces(g.names, g.shard, g.layout, self.rank) for g in self.groups]
+        if initial is not None:
+            from lightning_zero.zero.stage12_state import load_full_state_dict  # it imports this module
+
+            load_full_state_dict(self, initial)
 
     def _resolve_reduction(self, grad_reduction: str) -> str:
         """``grad_reduction`` checked against the gradient storage, ``"auto"`` resolved ([Note: gradient

@@ -17,7 +17,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.callbacks import BackboneFinetuning, ModelCheckpoint
+from lightning.pytorch.callbacks import BackboneFinetuning, EMAWeightAveraging, LambdaCallback, ModelCheckpoint
 from lightning.pytorch.demos import Transformer
 from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
 from torch import nn
@@ -218,6 +218,24 @@ class ResumeModule(BoringModel):
         return DataLoader(RandomDataset(32, 32), batch_size=2)
 
 
+class SparseEmbeddingModule(L.LightningModule):
+    """``nn.Embedding(sparse=True)`` (sparse gradients, which ``ddp`` all-reduces as they are) and Adagrad, whose
+    constructor already makes state (its sums)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding, self.head = nn.Embedding(16, 4, sparse=True), nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        tokens = (batch[0].abs() * 3).long().clamp(max=15)
+        loss = F.mse_loss(self.head(self.embedding(tokens).mean(1)), batch[1])
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.Adagrad(self.parameters(), lr=0.1)
+
+
 class FinetuneModule(L.LightningModule):
     """A backbone unfrozen at epoch 1 by ``BackboneFinetuning`` (which adds it to the optimizer)."""
 
@@ -356,6 +374,28 @@ def case_resume(name: str, tmp: Path) -> dict:
     )
 
 
+def case_sparse_adagrad(name: str, tmp: Path) -> dict:
+    L.seed_everything(SEED, verbose=False)
+    module, recorder = SparseEmbeddingModule(), Recorder()
+    fit = quiet_trainer(make_strategy(name), max_epochs=1, accumulate_grad_batches=3, callbacks=[recorder])
+    fit.fit(module, _loader())
+    return _result(module, fit, recorder)
+
+
+def case_weight_averaging(name: str, tmp: Path) -> dict:
+    """Lightning's ``EMAWeightAveraging``: the average swapped in for each validation and into the model at the end."""
+    L.seed_everything(SEED, verbose=False)
+    module, recorder, trained = BatchNormModule(), Recorder(), {}
+    keep_trained = LambdaCallback(on_train_epoch_end=lambda trainer, module: trained.update(state_of(module)))
+    callbacks = [recorder, EMAWeightAveraging(decay=0.9), keep_trained]
+    fit = quiet_trainer(make_strategy(name), max_epochs=2, limit_val_batches=2, callbacks=callbacks)
+    try:
+        fit.fit(module, _loader(), _loader())
+    except ValueError as error:
+        return {"error": str(error)}
+    return _result(module, fit, recorder, trained=trained)
+
+
 def case_sync_batchnorm(name: str, tmp: Path) -> dict:
     L.seed_everything(SEED, verbose=False)
     module, recorder = BatchNormModule(), Recorder()
@@ -390,6 +430,7 @@ PEER_CASES = {
     "transformer_bf16": case_transformer_bf16,
     "gpt_init": case_gpt_init,
     "resume": case_resume,
+    "sparse_adagrad": case_sparse_adagrad,
 }
 """Cases compared with Lightning's ``ddp`` (``find_unused_parameters=True`` for ``unused``)."""
 REFERENCE_CASES = {"sync_batchnorm": case_sync_batchnorm, "finetuning": case_finetuning}
@@ -405,6 +446,8 @@ def _all_cases(tmp: str) -> dict:
     for case, run in REFERENCE_CASES.items():
         for name in ("ddp", *OURS) if case == "finetuning" else OURS:
             out[case, name] = run(name, Path(tmp))
+    for name in ("ddp", *OURS):
+        out["weight_averaging", name] = case_weight_averaging(name, Path(tmp))
     for name in ("ddp", *OURS):  # compiled last: the first compile of each block takes seconds, later fits reuse it
         out["compile", name] = case_compile(name, Path(tmp))
     out["compile_whole", "zero3_scratch"] = case_compile_whole("zero3_scratch", Path(tmp))
@@ -485,6 +528,8 @@ def test_the_peer_cases_discriminate(runs):
     assert max_diff(initial, replayed) > 1e-2
     resume = runs[0]["resume", "ddp"]
     assert resume["lr_at_start"] == pytest.approx(0.01) and resume["global_step"] == 12
+    sparse = runs[0]["sparse_adagrad", "ddp"]
+    assert len(sparse["steps"]) == 8 and sparse["global_step"] == 3  # windows of 3, 3 and 2 micro-batches
 
 
 @pytest.mark.timeout(900)
@@ -560,6 +605,24 @@ def test_unfreezing_during_the_fit(runs, name):
     reference = state_of(_reference(FinetuneModule, epochs=2, callbacks=[BackboneFinetuning(1)]))
     for rank in range(WORLD):
         assert max_diff(runs[rank]["finetuning", name]["state"], reference) <= TOLERANCE
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", OURS)
+def test_weight_averaging_as_under_lightning_ddp(runs, name):
+    """``EMAWeightAveraging``: the averaged weights at the end and the validation metrics of the swapped-in average as
+    under ``ddp``; ``zero3_scratch`` (which holds only a shard of each parameter between steps) refuses it at setup."""
+    if name == "zero3_scratch":
+        assert "zero3_scratch cannot run ['EMAWeightAveraging']" in runs[0]["weight_averaging", name]["error"]
+        return
+    peer = runs[0]["weight_averaging", "ddp"]
+    assert len(peer["val"]) == 2 and len(peer["steps"]) == 16
+    assert max_diff(peer["state"], peer["trained"]) > 1e-3  # the average, not the weights the optimizer left
+    for rank in range(WORLD):
+        ours, peer = runs[rank]["weight_averaging", name], runs[rank]["weight_averaging", "ddp"]
+        assert max_diff(ours["state"], peer["state"]) <= TOLERANCE, rank
+        _assert_metrics_close(ours["steps"], peer["steps"], TOLERANCE)
+        _assert_metrics_close(ours["val"], peer["val"], TOLERANCE)
 
 
 @pytest.mark.timeout(900)

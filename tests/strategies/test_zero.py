@@ -316,6 +316,11 @@ class _TwoOptimizers(ParityModule):
         return torch.optim.SGD(self.net[0].parameters(), lr=0.1), torch.optim.SGD(self.net[3].parameters(), lr=0.1)
 
 
+class _LBFGS(ParityModule):
+    def configure_optimizers(self):
+        return torch.optim.LBFGS(self.parameters(), lr=0.5)
+
+
 class _WiderFirstLayer(ParityModule):
     def __init__(self) -> None:
         super().__init__()
@@ -324,7 +329,7 @@ class _WiderFirstLayer(ParityModule):
 
 def _bad_fit(case: str, ckpt: str) -> str:
     config = ParityConfig(world_size=1, batches_per_rank=2, max_epochs=1, gradient_clip_val=None)
-    module = {"two_optimizers": _TwoOptimizers, "shape": _WiderFirstLayer}[case]()
+    module = {"two_optimizers": _TwoOptimizers, "lbfgs": _LBFGS, "shape": _WiderFirstLayer}[case]()
     try:
         make_trainer(config, ZeroStrategy(stage=2)).fit(module, train_loader(config), ckpt_path=ckpt or None)
     except Exception as error:  # the message is what the test checks
@@ -334,9 +339,11 @@ def _bad_fit(case: str, ckpt: str) -> str:
 
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("state_dict_type", ["sharded", pytest.param("full", marks=SLOW)])
-def test_multiple_optimizers_and_mismatched_checkpoints_fail_clearly(tmp_path, state_dict_type):
+def test_multiple_optimizers_lbfgs_and_mismatched_checkpoints_fail_clearly(tmp_path, state_dict_type):
     ckpt = str(tmp_path / "one.ckpt")
     run_workers(_fit_and_save, 1, 1, 2, ckpt, 1, state_dict_type, timeout=150)
-    two, shape = (run_workers(_bad_fit, 1, case, path)[0] for case, path in [("two_optimizers", ""), ("shape", ckpt)])
+    cases = [("two_optimizers", ""), ("lbfgs", ""), ("shape", ckpt)]
+    two, lbfgs, shape = (run_workers(_bad_fit, 1, case, path)[0] for case, path in cases)
     assert "ZeRO shards one optimizer: configure_optimizers returned 2" in two
+    assert lbfgs.startswith("ValueError: LBFGS cannot be sharded by ZeRO: its step re-evaluates the closure")
     assert f"CheckpointError: checkpoint {ckpt} is of another model: tensor 'net.0.weight' has shape" in shape

@@ -8,6 +8,7 @@ import torch
 
 from lightning_zero.training.memory import zero_model_state_bytes
 from lightning_zero.training.precision import (
+    MasterWeights,
     PrecisionPolicy,
     ShardedGradScaler,
     cast_floats,
@@ -117,3 +118,22 @@ def test_fp32_floors_and_bad_stage():
     assert [zero_model_state_bytes(s, psi, n, **fp32) for s in range(4)] == floors
     with pytest.raises(ValueError, match="stage=4 is invalid: expected 0 \\(DDP\\), 1, 2 or 3"):
         zero_model_state_bytes(4, psi, n)
+
+
+def test_master_weights_take_over_the_state_an_optimizer_made_in_its_constructor():
+    """Adagrad makes its sums when built: over bf16 parameters they move to the fp32 masters the optimizer then steps,
+    as Adagrad over fp32 copies of the parameters steps."""
+    g = torch.Generator().manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(3, 4, generator=g).to(BF16))
+    grad = torch.randn(3, 4, generator=g)
+    reference = torch.nn.Parameter(weight.detach().float())
+    optimizer = torch.optim.Adagrad([weight], lr=0.1, initial_accumulator_value=0.5)
+    masters = MasterWeights(optimizer, FP32, {})
+    (master,) = optimizer.param_groups[0]["params"]
+    assert weight not in optimizer.state and optimizer.state[master]["sum"].dtype == FP32
+    reference.grad, master.grad = grad.clone(), grad.clone()
+    torch.optim.Adagrad([reference], lr=0.1, initial_accumulator_value=0.5).step()
+    optimizer.step()
+    masters.after_step()
+    assert torch.equal(master.detach(), reference.detach())
+    assert torch.equal(weight.detach(), reference.detach().to(BF16))

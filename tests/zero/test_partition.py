@@ -1,8 +1,13 @@
 """The pure ZeRO partition math, without processes."""
 
-import pytest
+import warnings
 
-from lightning_zero.zero.partition import flat_layout, shard_ranges
+import pytest
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from lightning_zero.zero.partition import NOT_ELEMENTWISE, check_elementwise, flat_layout, shard_ranges
 
 
 @pytest.mark.parametrize(("numel", "world_size"), [(10, 2), (10, 3), (7, 4), (1, 3), (0, 2), (12, 1)])
@@ -58,3 +63,73 @@ def test_owned_part_of_a_flat_range():
 def test_bad_arguments_name_the_number(numel, world_size, message):
     with pytest.raises(ValueError, match=message):
         shard_ranges(numel, world_size)
+
+
+def _torch_optimizers() -> list[type]:
+    return sorted(
+        (
+            c
+            for c in vars(torch.optim).values()
+            if isinstance(c, type) and issubclass(c, Optimizer) and c is not Optimizer
+        ),
+        key=lambda c: c.__name__,
+    )
+
+
+def _steps_like_the_whole(kind: type) -> bool:
+    """Whether three closure steps of ``kind`` over two shards of a flattened matrix (cut inside a row, as ZeRO cuts)
+    give what three steps over the whole matrix give."""
+    g = torch.Generator().manual_seed(0)
+    start, target, scale = (torch.randn(4, 6, generator=g) for _ in range(3))
+
+    def run(params: list[torch.Tensor], pieces: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        optimizer = kind(params)
+        for _ in range(3):
+
+            def closure() -> torch.Tensor:
+                optimizer.zero_grad()
+                loss = sum((s.abs() * (p - t) ** 2).sum() for p, (t, s) in zip(params, pieces))
+                loss.backward()
+                return loss
+
+            optimizer.step(closure)
+
+    whole = start.clone().requires_grad_()
+    shards = [piece.clone().requires_grad_() for piece in start.reshape(-1).split([10, 14])]
+    cut = list(zip(target.reshape(-1).split([10, 14]), scale.reshape(-1).split([10, 14])))
+    try:
+        run([whole], [(target, scale)])
+        for shard, piece in zip(shards, cut):
+            run([shard], [piece])  # each rank steps its own shard
+    except (RuntimeError, ValueError):  # Muon takes matrices only, SparseAdam sparse gradients only
+        return False
+    return torch.allclose(torch.cat(shards).reshape(4, 6), whole.detach(), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", _torch_optimizers(), ids=lambda c: c.__name__)
+def test_every_torch_optimizer_zero_accepts_steps_shards_like_the_whole(kind):
+    assert _steps_like_the_whole(kind) == (kind not in NOT_ELEMENTWISE)
+    weight = nn.Parameter(torch.zeros(2, 2))
+    if kind in NOT_ELEMENTWISE:
+        with pytest.raises(ValueError, match=f"^{kind.__name__} cannot be sharded by ZeRO: "):
+            check_elementwise(kind([weight]))
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            check_elementwise(kind([weight]))
+
+
+def test_an_optimizer_from_outside_torch_optim_is_warned_about_and_a_subclass_is_not():
+    class Custom(Optimizer):
+        def __init__(self, params):
+            super().__init__(params, {})
+
+    class CustomAdam(torch.optim.Adam):
+        pass
+
+    weight = nn.Parameter(torch.zeros(2))
+    with pytest.warns(UserWarning, match="ZeRO shards .*Custom element by element"):
+        check_elementwise(Custom([weight]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_elementwise(CustomAdam([weight]))

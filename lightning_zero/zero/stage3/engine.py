@@ -67,14 +67,16 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 
 from lightning_zero.comm import collectives as comm
+from lightning_zero.dp.reducer import dense_grad
 from lightning_zero.dp.unused import UsedParams, unused_error
 from lightning_zero.zero.grad_norm import clip_grad_norm_
+from lightning_zero.zero.partition import check_elementwise
 from lightning_zero.zero.stage3.gather_order import GatherOrder
 from lightning_zero.zero.stage3.materialize import build_meta_modules, load_real_tensors
 from lightning_zero.zero.stage3.segments import Segment, Unit, UnitState
 from lightning_zero.zero.stage3.traffic import SegmentTraffic, gathers_per_step, step_nbytes
 from lightning_zero.zero.stage3.units import ROOT, check_compiled, plan_units, root_owners
-from lightning_zero.zero.stage12 import GRAD_SYNC_MODES, check_in_optimizer
+from lightning_zero.zero.stage12 import GRAD_SYNC_MODES, check_in_optimizer, set_aside_state
 from lightning_zero.zero.unused import HeldPieces, ParamPieces, param_pieces
 
 FROZEN, TRAINABLE = "frozen", "trainable"
@@ -376,9 +378,9 @@ class ShardedParams:
             segment.grad_full, segment.filled = self._take_grad_full(segment), [False] * len(segment.params)
         region = segment.grad_full.narrow(0, segment.layout.offsets[i], p.numel())
         if segment.filled[i]:
-            region.add_(p.grad.reshape(-1))
+            region.add_(dense_grad(p.grad).reshape(-1))
         else:
-            region.copy_(p.grad.reshape(-1))
+            region.copy_(dense_grad(p.grad).reshape(-1))
         segment.filled[i] = True
         p.grad = None
         self._used.mark(p)
@@ -520,9 +522,10 @@ class ShardedParams:
 
     # ------------------------------------------------------------ optimizer
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Rebuild ``optimizer`` (built over the module's parameters, no state yet) in place over the shards."""
-        if optimizer.state:
-            raise ValueError("the optimizer already has state: ZeRO must shard it before the first step")
+        """Rebuild ``optimizer`` (built over the module's parameters) in place over the shards; state it already holds
+        is sharded with it ([Note: state made before sharding] in ``lightning_zero/zero/stage12.py``)."""
+        check_elementwise(optimizer)
+        initial = set_aside_state(optimizer)
         group_of = {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
         unknown = [i for i in group_of if i not in self._names]
         if unknown:
@@ -540,6 +543,10 @@ class ShardedParams:
             group["params"] = [s.shard for u in self.units for s in u.segments if s.key == g]
             if not group["params"]:
                 raise ValueError(f"param group {g} has no trainable parameters: drop the group or unfreeze some")
+        if initial is not None:
+            from lightning_zero.zero.stage3.state import load_optimizer_state_dict  # it imports this module
+
+            load_optimizer_state_dict(self, initial, initial["param_groups"])
 
     def _resegment(self, unit: Unit, keys: list[int | str], params: list[nn.Parameter]) -> None:
         """Re-lay ``unit`` with one segment per key (one unit gathered at a time)."""
