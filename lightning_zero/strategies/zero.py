@@ -73,6 +73,19 @@ class _FullWeightsLauncher(SpawnLauncher):
             return super()._collect_rank_zero_results(trainer, results)
 
 
+_FINETUNING = (
+    "such a callback unfreezes parameters during the fit and maps the optimizer's param groups to module parameters,"
+    " but ZeRO shards the optimizer over the parameters trainable at setup. Declare them trainable from the start"
+    " (requires_grad=True, in their own optimizer param group with lr=0 until they should train), or use ddp_scratch,"
+    " which follows such changes."
+)
+_WEIGHT_AVERAGING = (
+    "such a callback reads and writes the module's parameters between steps, where stage 3 holds only this rank's"
+    " shard of them (Lightning supports neither under FSDP or DeepSpeed). Use zero1_scratch or zero2_scratch, which"
+    " keep the whole parameters on every rank."
+)
+
+
 class ZeroStrategy(ScratchParallelStrategy):
     """ZeRO data parallelism: optimizer state (stage 1), gradients (stage 2) and parameters (stage 3) sharded.
 
@@ -235,7 +248,7 @@ class ZeroStrategy(ScratchParallelStrategy):
             return self._setup_stage3(trainer)
         self._setup_replicas(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
-            self._check_no_finetuning(trainer)
+            self._check_callbacks(trainer)
             self.setup_optimizers(trainer)
             self._check_one_optimizer()
             _optimizers_to_device(self.optimizers, self.root_device)
@@ -281,8 +294,7 @@ class ZeroStrategy(ScratchParallelStrategy):
                 rng_state=self._init_rng_state,
             )
         if trainer.state.fn == TrainerFn.FITTING:
-            self._check_no_finetuning(trainer)
-            self._check_no_weight_averaging(trainer)
+            self._check_callbacks(trainer)
             self.setup_optimizers(trainer)
             self._check_one_optimizer()
             self._params.attach_optimizer(self.optimizers[0])
@@ -292,27 +304,15 @@ class ZeroStrategy(ScratchParallelStrategy):
         self._setup_precision(trainer, cast_module=True)  # the engine computes in param_dtype outside fits too
         self.setup_precision_plugin()
 
-    def _check_no_finetuning(self, trainer: pl.Trainer) -> None:
-        finetuning = [type(c).__name__ for c in trainer.callbacks if isinstance(c, BaseFinetuning)]
-        if finetuning:
-            raise ValueError(
-                f"{self.strategy_name} cannot run {finetuning}: such a callback unfreezes parameters during the fit"
-                " and maps the optimizer's param groups to module parameters, but ZeRO shards the optimizer over the"
-                " parameters trainable at setup. Declare them trainable from the start (requires_grad=True, in their"
-                " own optimizer param group with lr=0 until they should train), or use ddp_scratch, which follows"
-                " such changes."
-            )
-
-    def _check_no_weight_averaging(self, trainer: pl.Trainer) -> None:
-        averaging = (StochasticWeightAveraging, WeightAveraging)
-        refused = [type(c).__name__ for c in trainer.callbacks if isinstance(c, averaging)]
-        if refused:
-            raise ValueError(
-                f"{self.strategy_name} cannot run {refused}: such a callback reads and writes the module's parameters"
-                " between steps, where stage 3 holds only this rank's shard of them (Lightning supports neither"
-                " under FSDP or DeepSpeed). Use zero1_scratch or zero2_scratch, which keep the whole parameters on"
-                " every rank."
-            )
+    def _check_callbacks(self, trainer: pl.Trainer) -> None:
+        """Refuse, by name and with the way out, the callbacks that change or read parameters ZeRO has sharded."""
+        refused = {BaseFinetuning: _FINETUNING}
+        if self.stage == 3:
+            refused.update({StochasticWeightAveraging: _WEIGHT_AVERAGING, WeightAveraging: _WEIGHT_AVERAGING})
+        for kind, why in refused.items():
+            found = [type(c).__name__ for c in trainer.callbacks if isinstance(c, kind)]
+            if found:
+                raise ValueError(f"{self.strategy_name} cannot run {found}: {why}")
 
     def _check_one_optimizer(self) -> None:
         if len(self.optimizers) != 1:
