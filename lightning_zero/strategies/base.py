@@ -277,6 +277,16 @@ class ScratchParallelStrategy(DistributedPlumbing, ParallelStrategy):
         yield
         self._forward_param_sync = torch.is_grad_enabled() and not self._backward_sync_blocked
 
+    @contextmanager
+    def _around_step(self) -> Generator[None, None, None]:
+        """Around a training, validation, test or predict step: the buffer rule, then :meth:`_before_step`."""
+        with self._buffer_sync():
+            self._before_step()
+            yield
+
+    def _before_step(self) -> None:
+        """Before a step calls into the module (subclasses: gather what a step may use outside any forward)."""
+
     def _broadcast_buffers(self, module: torch.nn.Module) -> None:
         """Rank 0's buffers on every rank (subclasses whose ranks hold different parts of the model override it)."""
         broadcast_module_states(module, tag="buffers", buffers_only=True)
@@ -284,26 +294,26 @@ class ScratchParallelStrategy(DistributedPlumbing, ParallelStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self._check_trainable()
-        with self._buffer_sync():
+        with self._around_step():
             return super().training_step(*args, **kwargs)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._buffer_sync():
+        with self._around_step():
             output = super().validation_step(*args, **kwargs)
         self._after_forward_only()
         return output
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._buffer_sync():
+        with self._around_step():
             output = super().test_step(*args, **kwargs)
         self._after_forward_only()
         return output
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._buffer_sync():
+        with self._around_step():
             output = super().predict_step(*args, **kwargs)
         self._after_forward_only()
         return output

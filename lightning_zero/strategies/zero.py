@@ -86,6 +86,20 @@ _WEIGHT_AVERAGING = (
 )
 
 
+def _check_first_loss(output: Any, name: str) -> None:
+    """Stage 3: raise before the first backward if the first loss is not finite, the sign of a placeholder read
+    ([Note: reading sharded parameters] in ``lightning_zero/zero/stage3/engine.py``). One device sync per fit."""
+    loss = output.get("loss") if isinstance(output, dict) else output
+    if isinstance(loss, Tensor) and not bool(torch.isfinite(loss.detach()).all()):
+        raise RuntimeError(
+            f"the first training step's loss is {loss.detach().float().flatten()[0].item()} under {name}: a module"
+            " parameter outside its unit's forward is a placeholder that reads as NaN, so a step that reads one there"
+            " (an L2 penalty over self.parameters(), a weight used outside its module) computes with NaN. Compute it"
+            " inside a module's forward (after it, reshard_after_forward=False keeps each unit gathered until its"
+            " backward), or use zero1_scratch/zero2_scratch, which keep the whole parameters on every rank."
+        )
+
+
 class ZeroStrategy(ScratchParallelStrategy):
     """ZeRO data parallelism: optimizer state (stage 1), gradients (stage 2) and parameters (stage 3) sharded.
 
@@ -180,6 +194,7 @@ class ZeroStrategy(ScratchParallelStrategy):
         self._params: ShardedParams | None = None
         self._init_rng_state: dict[str, torch.Tensor] | None = None
         self._model_loaded = False  # load_checkpoint loaded the weights too
+        self._first_loss_unchecked = False  # stage 3, fitting: see _check_first_loss
         self.strategy_name = f"zero{stage}_scratch"  # the registered name of this stage (run reports use it)
 
     @property
@@ -298,6 +313,7 @@ class ZeroStrategy(ScratchParallelStrategy):
             self.setup_optimizers(trainer)
             self._check_one_optimizer()
             self._params.attach_optimizer(self.optimizers[0])
+            self._first_loss_unchecked = True
             self._record_trainable()
             _optimizers_to_device(self.optimizers, self.root_device)
             self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm  # type: ignore[method-assign]
@@ -355,6 +371,19 @@ class ZeroStrategy(ScratchParallelStrategy):
         output = super().optimizer_step(optimizer, closure_then_hold, model, **kwargs)
         engine.after_step()  # stages 1 and 2 all-gather the updated shards; stage 3 gathers on the next forward
         return output
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().training_step(*args, **kwargs)
+        if self._first_loss_unchecked:
+            self._first_loss_unchecked = False
+            _check_first_loss(output, self.strategy_name)
+        return output
+
+    @override
+    def _before_step(self) -> None:
+        if self._params is not None:
+            self._params.gather_root()  # parameters the step may use outside any module's forward
 
     @override
     def _after_forward_only(self) -> None:

@@ -236,6 +236,30 @@ class SparseEmbeddingModule(L.LightningModule):
         return torch.optim.Adagrad(self.parameters(), lr=0.1)
 
 
+class OwnParametersModule(L.LightningModule):
+    """Parameters the module uses in ``training_step`` outside any submodule's forward: its own ``nn.Parameter`` and
+    an ``nn.ParameterList`` (under ZeRO-3 in the root unit); with ``l2``, also a penalty over every parameter after the
+    forward (which ZeRO-3 refuses)."""
+
+    def __init__(self, l2: bool = False) -> None:
+        super().__init__()
+        self.l2 = l2
+        self.net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
+        self.scale = nn.Parameter(torch.ones(1))
+        self.offsets = nn.ParameterList([nn.Parameter(torch.zeros(1)), nn.Parameter(torch.full((1,), 0.5))])
+
+    def training_step(self, batch, batch_idx):
+        out = self.net(batch[0]) * self.scale + self.offsets[0] + self.offsets[1]
+        loss = F.mse_loss(out, batch[1])
+        if self.l2:
+            loss = loss + 0.01 * sum(p.pow(2).sum() for p in self.parameters())
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=0.05)
+
+
 class FinetuneModule(L.LightningModule):
     """A backbone unfrozen at epoch 1 by ``BackboneFinetuning`` (which adds it to the optimizer)."""
 
@@ -382,6 +406,21 @@ def case_sparse_adagrad(name: str, tmp: Path) -> dict:
     return _result(module, fit, recorder)
 
 
+def case_own_parameters(name: str, tmp: Path, l2: bool = False) -> dict:
+    L.seed_everything(SEED, verbose=False)
+    module, recorder = OwnParametersModule(l2), Recorder()
+    fit = quiet_trainer(make_strategy(name), max_epochs=1, accumulate_grad_batches=2, callbacks=[recorder])
+    try:
+        fit.fit(module, _loader())
+    except RuntimeError as error:
+        return {"error": str(error)}
+    return _result(module, fit, recorder)
+
+
+def case_l2_penalty(name: str, tmp: Path) -> dict:
+    return case_own_parameters(name, tmp, l2=True)
+
+
 def case_weight_averaging(name: str, tmp: Path) -> dict:
     """Lightning's ``EMAWeightAveraging``: the average swapped in for each validation and into the model at the end."""
     L.seed_everything(SEED, verbose=False)
@@ -431,6 +470,7 @@ PEER_CASES = {
     "gpt_init": case_gpt_init,
     "resume": case_resume,
     "sparse_adagrad": case_sparse_adagrad,
+    "own_parameters": case_own_parameters,
 }
 """Cases compared with Lightning's ``ddp`` (``find_unused_parameters=True`` for ``unused``)."""
 REFERENCE_CASES = {"sync_batchnorm": case_sync_batchnorm, "finetuning": case_finetuning}
@@ -448,6 +488,7 @@ def _all_cases(tmp: str) -> dict:
             out[case, name] = run(name, Path(tmp))
     for name in ("ddp", *OURS):
         out["weight_averaging", name] = case_weight_averaging(name, Path(tmp))
+        out["l2_penalty", name] = case_l2_penalty(name, Path(tmp))
     for name in ("ddp", *OURS):  # compiled last: the first compile of each block takes seconds, later fits reuse it
         out["compile", name] = case_compile(name, Path(tmp))
     out["compile_whole", "zero3_scratch"] = case_compile_whole("zero3_scratch", Path(tmp))
@@ -530,6 +571,8 @@ def test_the_peer_cases_discriminate(runs):
     assert resume["lr_at_start"] == pytest.approx(0.01) and resume["global_step"] == 12
     sparse = runs[0]["sparse_adagrad", "ddp"]
     assert len(sparse["steps"]) == 8 and sparse["global_step"] == 3  # windows of 3, 3 and 2 micro-batches
+    own = runs[0]["own_parameters", "ddp"]["state"]
+    assert (own["scale"] - 1).abs().max() > 1e-3 and own["offsets.0"].abs().max() > 1e-3  # trained, not left as built
 
 
 @pytest.mark.timeout(900)
@@ -605,6 +648,22 @@ def test_unfreezing_during_the_fit(runs, name):
     reference = state_of(_reference(FinetuneModule, epochs=2, callbacks=[BackboneFinetuning(1)]))
     for rank in range(WORLD):
         assert max_diff(runs[rank]["finetuning", name]["state"], reference) <= TOLERANCE
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", OURS)
+def test_a_penalty_over_every_parameter_after_the_forward(runs, name):
+    """An L2 penalty over ``self.parameters()`` in ``training_step``: as under ``ddp`` where the whole parameters live
+    on every rank; ``zero3_scratch``, whose units are placeholders there, stops at the first step saying so."""
+    if name == "zero3_scratch":
+        error = runs[0]["l2_penalty", name]["error"]
+        assert error.startswith("the first training step's loss is nan under zero3_scratch: a module parameter")
+        assert "reshard_after_forward=False" in error
+        return
+    for rank in range(WORLD):
+        ours, peer = runs[rank]["l2_penalty", name], runs[rank]["l2_penalty", "ddp"]
+        assert max_diff(ours["state"], peer["state"]) <= TOLERANCE, rank
+        _assert_metrics_close(ours["steps"], peer["steps"], TOLERANCE)
 
 
 @pytest.mark.timeout(900)

@@ -18,8 +18,9 @@ one for frozen parameters), each laid out flat and padded to a multiple of N.
   and back to 0 bytes when the unit is freed, so the module's parameters can be views of it, and so can tensors
   autograd saved for backward (they see the storage again when backward re-gathers the unit).
 - *module parameter*: the user's ``nn.Parameter`` objects stay (the optimizer, ``named_parameters`` and shapes work
-  as usual). Gathered, ``p.data`` is a view of the unsharded flat; sharded, it is a *placeholder*: one zero element
-  expanded to ``p``'s shape (full shape, 4 bytes, reads as zeros, in-place writes fail).
+  as usual). Gathered, ``p.data`` is a view of the unsharded flat; sharded, it is a *placeholder*: one NaN element
+  expanded to ``p``'s shape (full shape, 4 bytes, in-place writes fail). NaN, not zero, so that a computation that
+  reads a parameter outside its unit's forward and backward is visibly wrong ([Note: reading sharded parameters]).
 - *unsharded gradient* (``segment.grad_full``): the unit's gradients gathered into one flat buffer as autograd
   produces them (``p.grad`` is dropped at once), reduce-scattered (average) when the unit's last gradient arrives.
   The result is added to ``shard.grad``, the persistent 4Ψ/N accumulator.
@@ -227,7 +228,7 @@ class ShardedParams:
     def _placeholder(self, p: Tensor, segment: Segment) -> Tensor:
         dtype = segment.full.dtype  # a parameter keeps the dtype it computes in, gathered or not
         if dtype not in self._placeholders:
-            self._placeholders[dtype] = torch.zeros((), dtype=dtype, device=self.device)
+            self._placeholders[dtype] = torch.full((), float("nan"), dtype=dtype, device=self.device)
         return self._placeholders[dtype].expand(p.shape)
 
     def shard_dtype(self, p: Tensor) -> torch.dtype:
@@ -303,6 +304,14 @@ class ShardedParams:
                 p.data = self._placeholder(p, s)
             s.full.untyped_storage().resize_(0)
         unit.state = UnitState.SHARDED
+
+    def gather_root(self) -> None:
+        """Before a step: gather the root unit, whose parameters the step may use outside any module's forward (a
+        LightningModule's own ``nn.Parameter``, an ``nn.ParameterList``), as if its first user's forward began. It
+        stays gathered until its gradients are reduced, or until :meth:`reshard` after an evaluation step."""
+        root = self.units[0]
+        if root.plan.name == ROOT and root.segments:
+            self._pre_forward(root, self.module, ())
 
     def reshard(self) -> None:
         """Free every gathered unit and end the pass (after an evaluation step; by itself after each backward)."""
@@ -605,9 +614,12 @@ class ShardedParams:
         self._hooks = []
 
     # ------------------------------------------------------------ outside a step
-    # [Note: reading sharded parameters] Outside a step a module parameter is a placeholder that reads as zeros. So a
-    # fit that ends hands the full weights back (sharded_params_state.release, when they fit in memory), and until
-    # then a state_dict() of a module holding placeholders raises instead of returning zeros.
+    # [Note: reading sharded parameters] Outside its unit's forward and backward a module parameter is a placeholder
+    # that reads as NaN. The root unit is gathered before each step (gather_root), for the parameters a step uses
+    # outside any module's forward (a LightningModule's own); any other read (an L2 penalty over self.parameters()
+    # after the forward) computes with NaN, and ZeroStrategy stops a fit whose first loss is not finite, before its
+    # backward, saying so. A fit that ends hands the full weights back (sharded_params_state.release, when they fit
+    # in memory), and until then a state_dict() of a module holding placeholders raises instead of returning NaN.
     @property
     def full_nbytes(self) -> int:
         """Bytes of every parameter, unsharded."""
@@ -638,7 +650,7 @@ class ShardedParams:
         if sharded and not self._reading:
             raise RuntimeError(
                 f"the parameters of {prefix.rstrip('.') or 'the module'} ({sharded}) are sharded by zero3_scratch: this"
-                " rank holds placeholders that read as zeros. Read them inside"
+                " rank holds placeholders that read as NaN. Read them inside"
                 " `with trainer.strategy.engine.summon_full_params():` (on every rank), or save"
                 " `trainer.save_checkpoint(path)`. After a fit the full weights come back into the module when they"
                 " fit in memory (ZeroStrategy(model_init=...) decides)."
