@@ -5,7 +5,7 @@ Runbook::
     engine = ShardedOptimizer(module, optimizer, stage=2, grad_sync="microbatch", bucket_cap_bytes=25 * 2**20)
     loss.backward()            # buckets reduced while backward runs; this rank's slice lands in the shard's .grad
     engine.before_step()       # the shard gradients ready for the optimizer (fp32 copies under grad_accum_dtype)
-    engine.clip_grad_norm_(1.0)  # optional: global norm over all shards (one scalar all-reduce)
+    engine.clip_grad_norm_(1.0)  # optional: global norm over all shards, as torch's ([Note: clipping as torch does])
     optimizer.step()           # the user's optimizer object, now stepping the shards only
     engine.after_step()        # all-gather the updated shards into the full parameters
 
@@ -177,6 +177,13 @@ class _FlatGroup:
         self.original_params = original_params
         self.flat_grad: Tensor | None = None  # persistent full gradient (stage 1, boundary)
         self.shard_grad: Tensor | None = None  # persistent shard accumulator (transient buckets)
+
+    @property
+    def names_in_group_order(self) -> list[str]:
+        """The trainable parameters' names in the order the user's param group holds them (the layout's is the
+        module's registration order)."""
+        name_of = {id(p): name for p, name in zip(self.params, self.names)}
+        return [name_of[id(p)] for p in self.original_params if id(p) in name_of]
 
 
 class ShardedOptimizer:
@@ -403,8 +410,9 @@ class ShardedOptimizer:
 
     def clip_grad_norm_(self, max_norm: float) -> Tensor:
         """Scale the shard gradients so the *global* gradient norm is at most ``max_norm``; return that norm."""
-        grads = [g.shard.grad for g in self.groups if g.shard.grad is not None]
-        return clip_grad_norm_(grads, max_norm, group=self.group, device=self.groups[0].flat.device)
+        order = [name for g in self.groups for name in g.names_in_group_order]
+        params, unused, device = self.param_pieces, self.unused_everywhere, self.groups[0].flat.device
+        return clip_grad_norm_(params, max_norm, order=order, unused=unused, group=self.group, device=device)
 
     @property
     def param_pieces(self) -> list[ParamPieces]:

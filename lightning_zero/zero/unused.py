@@ -33,6 +33,7 @@ class ParamPieces(NamedTuple):
     name: str
     shard: Tensor
     pieces: list[Piece]
+    numel: int
 
 
 def param_pieces(names: Sequence[str], shard: Tensor, layout: FlatLayout, rank: int) -> list[ParamPieces]:
@@ -40,7 +41,7 @@ def param_pieces(names: Sequence[str], shard: Tensor, layout: FlatLayout, rank: 
     pieces: list[list[Piece]] = [[] for _ in names]
     for index, _, in_shard, length in layout.param_pieces(rank):
         pieces[index].append((in_shard, length))
-    return [ParamPieces(name, shard, own) for name, own in zip(names, pieces)]
+    return [ParamPieces(name, shard, own, numel) for name, own, numel in zip(names, pieces, layout.numels)]
 
 
 def _per_element(value: object, shard: Tensor) -> bool:

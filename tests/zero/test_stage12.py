@@ -1,5 +1,5 @@
 """ZeRO-1/2's engine alone (``lightning_zero/zero/stage12.py``, no Lightning) on real gloo processes: gradients
-stored and accumulated in ``accum_dtype``."""
+stored and accumulated in ``accum_dtype``, and global-norm clipping against torch's."""
 
 from __future__ import annotations
 
@@ -102,3 +102,49 @@ def test_gradients_accumulate_in_accum_dtype_exactly(fits, stage, grad_sync, acc
         for name, value in expected.items():
             assert torch.equal(run["state"][name], value), (name, run["state"][name], value)
         assert run["dropped"] == [accum_dtype is not None] * STEPS
+
+
+def _full_grads(engine: ShardedOptimizer) -> list[torch.Tensor]:
+    """Each parameter's whole gradient, from every rank's shard gradient."""
+    group = engine.groups[0]
+    pieces = [torch.empty_like(group.shard.grad) for _ in range(WORLD)]
+    dist.all_gather(pieces, group.shard.grad)
+    flat = torch.cat(pieces)
+    return [flat.narrow(0, o, p.numel()).view_as(p).clone() for p, o in zip(group.params, group.layout.offsets)]
+
+
+def _clip(widths: tuple[int, int, int]) -> dict:
+    """One backward of ``Linear(w0, w1) -> Linear(w1, w2)`` (no biases) on random data, clipped by the engine and,
+    from the same averaged gradients, by ``torch.nn.utils.clip_grad_norm_``."""
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(widths[0], widths[1], bias=False), nn.Linear(widths[1], widths[2], bias=False))
+    optimizer = torch.optim.SGD(net.parameters(), lr=1.0)
+    engine = ShardedOptimizer(net, optimizer, stage=2, bucket_cap_bytes=64)
+    x = torch.randn(3, widths[0], generator=torch.Generator().manual_seed(dist.get_rank()))
+    (net(x) * torch.linspace(-1, 2, widths[2])).sum().backward()
+    engine.before_step()
+    params = [nn.Parameter(torch.zeros_like(p)) for p in engine.groups[0].params]
+    for p, grad in zip(params, _full_grads(engine)):
+        p.grad = grad
+    expected = torch.nn.utils.clip_grad_norm_(params, 0.1)
+    total = engine.clip_grad_norm_(0.1)
+    return {"total": (total, expected), "grads": list(zip(_full_grads(engine), (p.grad for p in params)))}
+
+
+def _clips() -> dict:
+    return {widths: _clip(widths) for widths in [(6, 4, 6), (5, 4, 3)]}
+
+
+def test_clipping_is_torchs_bit_for_bit_where_no_parameter_is_cut():
+    """``(6, 4, 6)``: 24 + 24 elements, the shard boundary between the two weights; the clipped gradients and the
+    norm are those of ``torch.nn.utils.clip_grad_norm_`` bit for bit ([Note: clipping as torch does]). ``(5, 4, 3)``:
+    20 + 12, the second weight cut by the boundary, its norm from its pieces: within 1e-6."""
+    results = run_workers(_clips, WORLD)
+    for rank_results in results:
+        exact, cut = rank_results[6, 4, 6], rank_results[5, 4, 3]
+        assert torch.equal(*exact["total"]) and all(torch.equal(ours, torchs) for ours, torchs in exact["grads"])
+        assert exact["total"][0] > 0.2  # so the gradients were scaled
+        assert torch.allclose(*cut["total"], rtol=1e-6, atol=0)
+        assert all(torch.allclose(ours, torchs, rtol=1e-6, atol=1e-9) for ours, torchs in cut["grads"])

@@ -605,8 +605,9 @@ class ShardedParams:
 
     def clip_grad_norm_(self, max_norm: float) -> Tensor:
         """Global-norm clipping over every rank's shard gradients (see ``clip_grad_norm_`` in sharded_optimizer)."""
-        grads = [s.shard.grad for s in self.segments if s.shard.grad is not None]
-        return clip_grad_norm_(grads, max_norm, group=self.group, device=self.device)
+        order = [self._names[id(p)] for group in self.original_groups for p in group if p.requires_grad]
+        params, unused = self.param_pieces, self.unused_everywhere
+        return clip_grad_norm_(params, max_norm, order=order, unused=unused, group=self.group, device=self.device)
 
     def remove(self) -> None:
         for handle in self._hooks:
