@@ -7,6 +7,7 @@ import math
 
 import torch
 from torch import Tensor
+from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
 from lightning_zero.comm import collectives as comm
 from lightning_zero.zero.unused import ParamPieces
@@ -24,32 +25,30 @@ def clip_grad_norm_(
     """Scale this rank's gradient shards so the *global* norm is at most ``max_norm``; return that norm.
 
     [Note: clipping as torch does] ``torch.nn.utils.clip_grad_norm_`` under ``ddp`` takes the 2-norm of each
-    parameter's gradient, in the optimizer's order (those with a ``.grad``), the 2-norm of those norms, and multiplies
-    every gradient by ``clamp(max_norm / (total + 1e-6), max=1)``, all in the gradients' dtype. This does the same, so
-    the clipped gradients are bit-identical to ``ddp``'s: a parameter whole in one rank's shard has its norm taken
-    there by the same kernel (the others add zero), and only a parameter cut by a shard boundary has its norm from the
-    sum of its pieces' squares (in fp64). ``order`` names the parameters as the optimizer holds them; ``unused`` those
-    without a gradient under ``ddp`` (no rank used them). One all-reduce of two values per parameter.
+    parameter's gradient, in the optimizer's order (those with a ``.grad``), the 2-norm of those norms
+    (``get_total_norm``), and multiplies every gradient by ``clamp(max_norm / (total + 1e-6), max=1)``
+    (``clip_grads_with_norm_``), all in the gradients' dtype. This calls the same two functions, so the clipped
+    gradients are bit-identical to ``ddp``'s: a parameter whole in one rank's shard has its norm taken there by the
+    same kernel (the other ranks add zero), and only a parameter cut by a shard boundary has its norm from the sum of
+    its pieces' squares (in fp64). ``order`` names the parameters as the optimizer holds them; ``unused`` those without
+    a gradient under ``ddp`` (no rank used them). One all-reduce of two values per parameter.
     """
     by_name = {p.name: p for p in params}
     ordered = [by_name[name] for name in order if name not in unused and by_name[name].shard.grad is not None]
     if not ordered:
         return torch.zeros((), device=device)
-    dtype = ordered[0].shard.grad.dtype
     partial = torch.zeros(2, len(ordered), dtype=torch.float64, device=device)  # whole norms, squares of pieces
     for i, param in enumerate(ordered):
         grad = param.shard.grad.detach()
         if [length for _, length in param.pieces] == [param.numel]:  # whole here, so nowhere else
-            partial[0, i] = torch.linalg.vector_norm(grad.narrow(0, *param.pieces[0]))
+            partial[0, i] = get_total_norm([grad.narrow(0, *param.pieces[0])])  # torch's kernel for one gradient
             continue
         for offset, length in param.pieces:
             partial[1, i] += grad.narrow(0, offset, length).double().pow(2).sum()
     comm.all_reduce(partial, "sum", group=group, tag="clip_norm")
-    norms = (partial[0] + partial[1].sqrt()).to(dtype)  # one of the two is zero
-    total = torch.linalg.vector_norm(norms)
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for grad in {id(p.shard): p.shard.grad for p in ordered}.values():
-        grad.mul_(coef)
+    norms = (partial[0] + partial[1].sqrt()).to(ordered[0].shard.grad.dtype)  # one of the two is zero
+    total = get_total_norm(list(norms))
+    clip_grads_with_norm_(list({id(p.shard): p.shard for p in ordered}.values()), max_norm, total)
     return total
 
 

@@ -18,7 +18,7 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import BackboneFinetuning, EMAWeightAveraging, LambdaCallback, ModelCheckpoint
-from lightning.pytorch.demos import Transformer
+from lightning.pytorch.demos import LightningLSTM, Transformer
 from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
 from torch import nn
 from torch.nn import functional as F
@@ -260,6 +260,16 @@ class OwnParametersModule(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=0.05)
 
 
+class DemoLSTM(LightningLSTM):
+    """Lightning's demo ``LightningLSTM`` as it is (hidden state carried across steps, SGD at lr 20), on our tokens."""
+
+    def prepare_data(self) -> None:
+        pass
+
+    def train_dataloader(self):
+        return _loader(_tokens())
+
+
 class FinetuneModule(L.LightningModule):
     """A backbone unfrozen at epoch 1 by ``BackboneFinetuning`` (which adds it to the optimizer)."""
 
@@ -421,6 +431,15 @@ def case_l2_penalty(name: str, tmp: Path) -> dict:
     return case_own_parameters(name, tmp, l2=True)
 
 
+def case_lstm_clipping(name: str, tmp: Path) -> dict:
+    """Norm clipping that bites (0.25) at lr 20: any rounding of the clipped gradients grows step by step."""
+    L.seed_everything(SEED, verbose=False)
+    module, recorder = DemoLSTM(vocab_size=16), Recorder()
+    fit = quiet_trainer(make_strategy(name), max_epochs=2, gradient_clip_val=0.25, callbacks=[recorder])
+    fit.fit(module)
+    return _result(module, fit, recorder)
+
+
 def case_weight_averaging(name: str, tmp: Path) -> dict:
     """Lightning's ``EMAWeightAveraging``: the average swapped in for each validation and into the model at the end."""
     L.seed_everything(SEED, verbose=False)
@@ -471,6 +490,7 @@ PEER_CASES = {
     "resume": case_resume,
     "sparse_adagrad": case_sparse_adagrad,
     "own_parameters": case_own_parameters,
+    "lstm_clipping": case_lstm_clipping,
 }
 """Cases compared with Lightning's ``ddp`` (``find_unused_parameters=True`` for ``unused``)."""
 REFERENCE_CASES = {"sync_batchnorm": case_sync_batchnorm, "finetuning": case_finetuning}
