@@ -15,9 +15,8 @@ What a subclass inherits:
   defaulted from the Trainer's ``precision``, and a loss scaler (``16-mixed``) whose inf/NaN check covers every rank.
 - **Buffers as torch DDP keeps them** ([Note: buffer broadcast] below) and ``sync_batchnorm=True`` through
   :mod:`lightning_zero.training.sync_batchnorm`.
-- **The process group torn down at exit**: a script that ends with the group alive was measured to abort now and
-  then at interpreter exit ("terminate called without an active exception", SIGABRT) after a successful fit, with
-  Lightning's ``ddp`` as well; an ``atexit`` handler destroys whatever group is still alive first.
+- **The process group torn down at exit** ([Note: process group torn down at exit] in
+  ``lightning_zero/training/distributed.py``).
 
 [Note: buffer broadcast] torch DDP (``DistributedDataParallel._pre_forward``/``_post_forward``) broadcasts rank 0's
 buffers (BatchNorm running statistics) before a forward when ``broadcast_buffers`` is on and the *previous* forward
