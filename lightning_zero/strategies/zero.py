@@ -60,6 +60,7 @@ from lightning_zero.zero.stage3.materialize import (
     rng_state,
     unreplayed_init,
 )
+from lightning_zero.zero.stage3.placeholder_reads import check_first_loss, warn_nan_metrics
 from lightning_zero.zero.stage12 import ShardedOptimizer
 
 
@@ -84,20 +85,6 @@ _WEIGHT_AVERAGING = (
     " shard of them (Lightning supports neither under FSDP or DeepSpeed). Use zero1_scratch or zero2_scratch, which"
     " keep the whole parameters on every rank."
 )
-
-
-def _check_first_loss(output: Any, name: str) -> None:
-    """Stage 3: raise before the first backward if the first loss is not finite, the sign of a placeholder read
-    ([Note: reading sharded parameters] in ``lightning_zero/zero/stage3/engine.py``). One device sync per fit."""
-    loss = output.get("loss") if isinstance(output, dict) else output
-    if isinstance(loss, Tensor) and not bool(torch.isfinite(loss.detach()).all()):
-        raise RuntimeError(
-            f"the first training step's loss is {loss.detach().float().flatten()[0].item()} under {name}: a module"
-            " parameter outside its unit's forward is a placeholder that reads as NaN, so a step that reads one there"
-            " (an L2 penalty over self.parameters(), a weight used outside its module) computes with NaN. Compute it"
-            " inside a module's forward (after it, reshard_after_forward=False keeps each unit gathered until its"
-            " backward), or use zero1_scratch/zero2_scratch, which keep the whole parameters on every rank."
-        )
 
 
 class ZeroStrategy(ScratchParallelStrategy):
@@ -194,7 +181,8 @@ class ZeroStrategy(ScratchParallelStrategy):
         self._params: ShardedParams | None = None
         self._init_rng_state: dict[str, torch.Tensor] | None = None
         self._model_loaded = False  # load_checkpoint loaded the weights too
-        self._first_loss_unchecked = False  # stage 3, fitting: see _check_first_loss
+        self._first_loss_unchecked = False  # stage 3, fitting: see check_first_loss
+        self._nan_metrics_warned: set[str] = set()  # stage 3: see warn_nan_metrics
         self.strategy_name = f"zero{stage}_scratch"  # the registered name of this stage (run reports use it)
 
     @property
@@ -377,8 +365,36 @@ class ZeroStrategy(ScratchParallelStrategy):
         output = super().training_step(*args, **kwargs)
         if self._first_loss_unchecked:
             self._first_loss_unchecked = False
-            _check_first_loss(output, self.strategy_name)
+            check_first_loss(output, self.strategy_name)
         return output
+
+    # Stage 3: a logged NaN may be a placeholder read (lightning_zero/zero/stage3/placeholder_reads.py); checked at
+    # the start of each training epoch (the previous epoch's end) and at the end of each run.
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        if batch_idx == 0:
+            self._warn_nan_metrics()
+
+    @override
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        self._warn_nan_metrics()
+
+    @override
+    def on_validation_end(self) -> None:
+        super().on_validation_end()
+        self._warn_nan_metrics()
+
+    @override
+    def on_test_end(self) -> None:
+        super().on_test_end()
+        self._warn_nan_metrics()
+
+    def _warn_nan_metrics(self) -> None:
+        module = self.lightning_module
+        if self._params is not None and module is not None and module._trainer is not None:
+            warn_nan_metrics(module.trainer.callback_metrics, self.strategy_name, self._nan_metrics_warned)
 
     @override
     def _before_step(self) -> None:

@@ -218,6 +218,13 @@ class ResumeModule(BoringModel):
         return DataLoader(RandomDataset(32, 32), batch_size=2)
 
 
+class WeightNormLogging(ResumeModule):
+    """``BoringModel`` logging its weight's norm in ``on_train_epoch_end``, outside any forward."""
+
+    def on_train_epoch_end(self):
+        self.log("weight_norm", self.layer.weight.norm())
+
+
 class SparseEmbeddingModule(L.LightningModule):
     """``nn.Embedding(sparse=True)`` (sparse gradients, which ``ddp`` all-reduces as they are) and Adagrad, whose
     constructor already makes state (its sums)."""
@@ -454,6 +461,19 @@ def case_weight_averaging(name: str, tmp: Path) -> dict:
     return _result(module, fit, recorder, trained=trained)
 
 
+def case_epoch_end_weight_norm(name: str, tmp: Path) -> dict:
+    L.seed_everything(SEED, verbose=False)
+    module, fit = WeightNormLogging(), quiet_trainer(make_strategy(name), max_epochs=2, limit_train_batches=4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit.fit(module)
+    return {
+        "weight_norm": float(fit.callback_metrics["weight_norm"]),
+        "state": state_of(module),
+        "warnings": [str(w.message) for w in caught if "is NaN under" in str(w.message)],
+    }
+
+
 def case_sync_batchnorm(name: str, tmp: Path) -> dict:
     L.seed_everything(SEED, verbose=False)
     module, recorder = BatchNormModule(), Recorder()
@@ -509,6 +529,7 @@ def _all_cases(tmp: str) -> dict:
     for name in ("ddp", *OURS):
         out["weight_averaging", name] = case_weight_averaging(name, Path(tmp))
         out["l2_penalty", name] = case_l2_penalty(name, Path(tmp))
+        out["epoch_end_weight_norm", name] = case_epoch_end_weight_norm(name, Path(tmp))
     for name in ("ddp", *OURS):  # compiled last: the first compile of each block takes seconds, later fits reuse it
         out["compile", name] = case_compile(name, Path(tmp))
     out["compile_whole", "zero3_scratch"] = case_compile_whole("zero3_scratch", Path(tmp))
@@ -684,6 +705,25 @@ def test_a_penalty_over_every_parameter_after_the_forward(runs, name):
         ours, peer = runs[rank]["l2_penalty", name], runs[rank]["l2_penalty", "ddp"]
         assert max_diff(ours["state"], peer["state"]) <= TOLERANCE, rank
         _assert_metrics_close(ours["steps"], peer["steps"], TOLERANCE)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", OURS)
+def test_a_weight_norm_logged_in_an_epoch_end_hook(runs, name):
+    """A metric computed from a weight outside any forward: as under ``ddp`` where the whole parameters live on every
+    rank; under ``zero3_scratch`` it read placeholders (NaN), and rank 0 warns naming the metric."""
+    for rank in range(WORLD):
+        ours, peer = runs[rank]["epoch_end_weight_norm", name], runs[rank]["epoch_end_weight_norm", "ddp"]
+        assert max_diff(ours["state"], peer["state"]) <= TOLERANCE, rank
+        assert not peer["warnings"] and math.isfinite(peer["weight_norm"])
+        if name != "zero3_scratch":
+            assert math.isclose(ours["weight_norm"], peer["weight_norm"], abs_tol=TOLERANCE) and not ours["warnings"]
+        else:
+            assert math.isnan(ours["weight_norm"])
+            if rank == 0:
+                (message,) = ours["warnings"]
+                assert message.startswith("the logged metric 'weight_norm' is NaN under zero3_scratch")
+                assert "summon_full_params" in message
 
 
 @pytest.mark.timeout(900)

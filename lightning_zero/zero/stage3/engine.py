@@ -618,9 +618,10 @@ class ShardedParams:
     # [Note: reading sharded parameters] Outside its unit's forward and backward a module parameter is a placeholder
     # that reads as NaN. The root unit is gathered before each step (gather_root), for the parameters a step uses
     # outside any module's forward (a LightningModule's own); any other read (an L2 penalty over self.parameters()
-    # after the forward) computes with NaN, and ZeroStrategy stops a fit whose first loss is not finite, before its
-    # backward, saying so. A fit that ends hands the full weights back (sharded_params_state.release, when they fit
-    # in memory), and until then a state_dict() of a module holding placeholders raises instead of returning NaN.
+    # after the forward) computes with NaN: ZeroStrategy stops a fit whose first loss is not finite, before its
+    # backward, and warns about a logged metric that is NaN (lightning_zero/zero/stage3/placeholder_reads.py). A fit
+    # that ends hands the full weights back (sharded_params_state.release, when they fit in memory), and until then a
+    # state_dict() of a module holding placeholders raises instead of returning NaN.
     @property
     def full_nbytes(self) -> int:
         """Bytes of every parameter, unsharded."""

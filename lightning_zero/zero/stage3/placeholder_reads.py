@@ -1,0 +1,48 @@
+"""Stage 3: making a read of a placeholder visible ([Note: reading sharded parameters] in
+``lightning_zero/zero/stage3/engine.py``).
+
+Outside its unit's forward and backward a module parameter is a placeholder that reads as NaN, so whatever is computed
+from it is NaN where Lightning's ``ddp`` computes a number. :func:`check_first_loss` stops a fit whose first loss is
+not finite, before its backward; :func:`warn_nan_metrics` warns, once per metric, about a logged metric that is NaN (a
+weight norm logged in ``on_train_epoch_end``, a metric of a validation step that reads a weight outside a forward).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import Tensor
+
+
+def check_first_loss(output: Any, name: str) -> None:
+    """Raise before the first backward if the first loss is not finite. One device sync per fit."""
+    loss = output.get("loss") if isinstance(output, dict) else output
+    if isinstance(loss, Tensor) and not bool(torch.isfinite(loss.detach()).all()):
+        raise RuntimeError(
+            f"the first training step's loss is {loss.detach().float().flatten()[0].item()} under {name}: a module"
+            " parameter outside its unit's forward is a placeholder that reads as NaN, so a step that reads one there"
+            " (an L2 penalty over self.parameters(), a weight used outside its module) computes with NaN. Compute it"
+            " inside a module's forward (after it, reshard_after_forward=False keeps each unit gathered until its"
+            " backward), or use zero1_scratch/zero2_scratch, which keep the whole parameters on every rank."
+        )
+
+
+def warn_nan_metrics(metrics: Mapping[str, Any], name: str, warned: set[str]) -> None:
+    """Warn about each metric of ``metrics`` (``trainer.callback_metrics``) that is NaN and not in ``warned``, then add
+    it there. One device sync per call."""
+    keys = [k for k, v in metrics.items() if k not in warned and isinstance(v, Tensor) and v.is_floating_point()]
+    if not keys:
+        return
+    nan = torch.stack([metrics[k].detach().float().reshape(-1)[:1].squeeze() for k in keys]).isnan().tolist()
+    for key in (k for k, is_nan in zip(keys, nan) if is_nan):
+        warned.add(key)
+        rank_zero_warn(
+            f"the logged metric {key!r} is NaN under {name}. If it is computed from module parameters outside a"
+            " forward (a weight norm in an epoch-end hook, a weight read in a validation step), it read placeholders:"
+            " under ZeRO-3 this rank holds only its shard of them and they read as NaN there, where ddp logs a number."
+            " Compute it inside a module's forward, or inside `with trainer.strategy.engine.summon_full_params():` (on"
+            " every rank), or use zero1_scratch/zero2_scratch, which keep the whole parameters on every rank."
+        )
