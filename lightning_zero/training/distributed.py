@@ -74,12 +74,13 @@ _exit_handler_registered = False
 
 # [Note: process group torn down at exit]
 # gloo runs each collective on a worker thread of its ProcessGroupGloo. The worker drops its reference to a finished
-# work (and so to the work's tensors) only after the caller has been woken, and dropping a tensor whose Python object
-# is still alive takes the GIL. A worker that gets there once the interpreter is finalizing is stopped by CPython
-# inside that destructor: std::terminate, SIGABRT ("terminate called without an active exception") after a fit that
-# succeeded. Measured: 2 in 85 two-rank CLI runs of tensor_parallel_scratch, whose teardown ends with an all_gather
-# (core dump: gloo's runLoop -> ~AsyncAllgatherWork -> THPVariable_dealloc -> take_gil -> pthread_exit, the main
-# thread in Py_FinalizeEx's garbage collection). destroy_process_group does not stop gloo's workers: only freeing a
+# work (and so to the work's tensors) only after the caller has been woken; where that was the last reference to a
+# tensor whose Python object torch keeps alive for it, the worker deallocates that object, which takes the GIL. A
+# worker that gets there once the interpreter is finalizing is stopped by CPython inside that destructor:
+# std::terminate, SIGABRT ("terminate called without an active exception") after a fit that succeeded. Measured: 2 in
+# 97 two-rank CLI runs of tensor_parallel_scratch, whose teardown ends with an all_gather (core dump: gloo's runLoop
+# -> ~AsyncAllgatherWork -> THPVariable_dealloc -> take_gil -> pthread_exit, the main thread in Py_FinalizeEx's
+# garbage collection); 0 in 60 with what follows. destroy_process_group does not stop gloo's workers: only freeing a
 # group does, and a trainer, a strategy or a module may still hold its groups. So at exit, while the interpreter is
 # whole: destroy, free what nothing reaches any more (a freed gloo group joins its workers, releasing the GIL in its
 # destructor), and release the GIL for a moment so that a worker of a group still held can drop its last work.
