@@ -49,6 +49,7 @@ from lightning_zero.strategies.base import ScratchParallelStrategy, SpawnLaunche
 from lightning_zero.training.distributed import ZERO_NAMES
 from lightning_zero.training.precision import DEFAULT
 from lightning_zero.zero.checkpointing import ZeroCheckpointer
+from lightning_zero.zero.grad_hooks import HOOKS, gradient_reads
 from lightning_zero.zero.grad_norm import shard_grad_norms
 from lightning_zero.zero.settings import QUANT_BLOCK_SIZE, ZeroSettings, build_stage3, build_stage12
 from lightning_zero.zero.stage3 import state as sp_state
@@ -309,7 +310,8 @@ class ZeroStrategy(ScratchParallelStrategy):
         self.setup_precision_plugin()
 
     def _check_callbacks(self, trainer: pl.Trainer) -> None:
-        """Refuse, by name and with the way out, the callbacks that change or read parameters ZeRO has sharded."""
+        """Refuse, by name and with the way out, the callbacks that change or read parameters ZeRO has sharded; warn
+        about hooks that touch gradients ZeRO leaves ``None`` ([Note: gradients in the hooks])."""
         refused = {BaseFinetuning: _FINETUNING}
         if self.stage == 3:
             refused.update({StochasticWeightAveraging: _WEIGHT_AVERAGING, WeightAveraging: _WEIGHT_AVERAGING})
@@ -317,6 +319,16 @@ class ZeroStrategy(ScratchParallelStrategy):
             found = [type(c).__name__ for c in trainer.callbacks if isinstance(c, kind)]
             if found:
                 raise ValueError(f"{self.strategy_name} cannot run {found}: {why}")
+        if self.stage >= 2 or self.settings.grad_sync == "microbatch":
+            for use in gradient_reads(self.lightning_module, trainer.callbacks):
+                rank_zero_warn(
+                    f"{use}, but under {self.strategy_name} a module parameter's p.grad is None in"
+                    f" {' and '.join(HOOKS)}: the averaged gradient exists only as this rank's shard. Clipping or"
+                    " scaling p.grad there changes nothing and Lightning's grad_norm returns nothing, where ddp would"
+                    " act on the gradient. Use gradient_clip_val or self.clip_gradients, lightning_zero.grad_norm,"
+                    " or ddp_scratch/zero1_scratch (grad_sync='boundary'), where p.grad holds the averaged gradient"
+                    " ([Note: gradients in the hooks] in lightning_zero/zero/grad_hooks.py)."
+                )
 
     def _check_one_optimizer(self) -> None:
         if len(self.optimizers) != 1:

@@ -225,6 +225,13 @@ class WeightNormLogging(ResumeModule):
         self.log("weight_norm", self.layer.weight.norm())
 
 
+class ClipsItsOwnGradients(ResumeModule):
+    """``BoringModel`` clipping ``p.grad`` itself in ``on_before_optimizer_step`` (as nanoGPT-style code does)."""
+
+    def on_before_optimizer_step(self, optimizer):
+        torch.nn.utils.clip_grad_norm_(self.parameters(), 0.05)
+
+
 class SparseEmbeddingModule(L.LightningModule):
     """``nn.Embedding(sparse=True)`` (sparse gradients, which ``ddp`` all-reduces as they are) and Adagrad, whose
     constructor already makes state (its sums)."""
@@ -474,6 +481,17 @@ def case_epoch_end_weight_norm(name: str, tmp: Path) -> dict:
     }
 
 
+def case_clipping_in_a_hook(name: str, tmp: Path) -> dict:
+    L.seed_everything(SEED, verbose=False)
+    module, recorder = ClipsItsOwnGradients(), Recorder()
+    fit = quiet_trainer(make_strategy(name), max_epochs=1, limit_train_batches=6, callbacks=[recorder])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit.fit(module)
+    hook_warnings = [str(w.message) for w in caught if "p.grad is None" in str(w.message)]
+    return _result(module, fit, recorder, warnings=hook_warnings)
+
+
 def case_sync_batchnorm(name: str, tmp: Path) -> dict:
     L.seed_everything(SEED, verbose=False)
     module, recorder = BatchNormModule(), Recorder()
@@ -530,6 +548,7 @@ def _all_cases(tmp: str) -> dict:
         out["weight_averaging", name] = case_weight_averaging(name, Path(tmp))
         out["l2_penalty", name] = case_l2_penalty(name, Path(tmp))
         out["epoch_end_weight_norm", name] = case_epoch_end_weight_norm(name, Path(tmp))
+        out["clipping_in_a_hook", name] = case_clipping_in_a_hook(name, Path(tmp))
     for name in ("ddp", *OURS):  # compiled last: the first compile of each block takes seconds, later fits reuse it
         out["compile", name] = case_compile(name, Path(tmp))
     out["compile_whole", "zero3_scratch"] = case_compile_whole("zero3_scratch", Path(tmp))
@@ -705,6 +724,25 @@ def test_a_penalty_over_every_parameter_after_the_forward(runs, name):
         ours, peer = runs[rank]["l2_penalty", name], runs[rank]["l2_penalty", "ddp"]
         assert max_diff(ours["state"], peer["state"]) <= TOLERANCE, rank
         _assert_metrics_close(ours["steps"], peer["steps"], TOLERANCE)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", OURS)
+def test_clipping_p_grad_in_a_hook(runs, name):
+    """``torch.nn.utils.clip_grad_norm_(self.parameters())`` in ``on_before_optimizer_step``: as under ``ddp`` where
+    ``p.grad`` holds the averaged gradient there; where ZeRO leaves it ``None`` the clip does nothing, so the weights
+    differ, and rank 0 warns at setup naming the hook."""
+    peer = runs[0]["clipping_in_a_hook", "ddp"]
+    assert not peer["warnings"]
+    for rank in range(WORLD):
+        ours, peer = runs[rank]["clipping_in_a_hook", name], runs[rank]["clipping_in_a_hook", "ddp"]
+        if name in ("zero2_scratch", "zero3_scratch", "robust_zero2_scratch"):
+            assert max_diff(ours["state"], peer["state"]) > 1e-3  # the warning is about a real difference
+            if rank == 0:
+                (message,) = ours["warnings"]
+                assert message.startswith("ClipsItsOwnGradients.on_before_optimizer_step uses clip_grad_norm_, but")
+        else:
+            assert max_diff(ours["state"], peer["state"]) <= TOLERANCE and not ours["warnings"]
 
 
 @pytest.mark.timeout(900)
