@@ -104,6 +104,11 @@ class RobustZeroStrategy(RobustDDPStrategy, ZeroStrategy):
         ZeroStrategy.setup(self, trainer)  # not robust_ddp_scratch's: the ZeRO engine, built by the hook below
 
     @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._writes_checked():  # ZeRO's, around robust_ddp_scratch's step (one forward per worker)
+            return RobustDDPStrategy.training_step(self, *args, **kwargs)
+
+    @override
     def _build_stage12(self) -> ShardedOptimizer:
         """The ZeRO engine without its gradient reduction, the robust rows over its flat groups' columns, and the
         aggregated shard handed to it."""

@@ -45,12 +45,14 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero.comm.powersgd import refuse_on_zero
+from lightning_zero.optim.sharding import ShardAware
 from lightning_zero.strategies.base import ScratchParallelStrategy, SpawnLauncher
 from lightning_zero.training.distributed import ZERO_NAMES
 from lightning_zero.training.precision import DEFAULT
 from lightning_zero.zero.checkpointing import ZeroCheckpointer
 from lightning_zero.zero.grad_hooks import HOOKS, gradient_reads
 from lightning_zero.zero.grad_norm import shard_grad_norms
+from lightning_zero.zero.inplace import ParamVersions, check_renorming_modules
 from lightning_zero.zero.settings import QUANT_BLOCK_SIZE, ZeroSettings, build_stage3, build_stage12
 from lightning_zero.zero.stage3 import state as sp_state
 from lightning_zero.zero.stage3.engine import ShardedParams
@@ -61,7 +63,11 @@ from lightning_zero.zero.stage3.materialize import (
     rng_state,
     unreplayed_init,
 )
-from lightning_zero.zero.stage3.placeholder_reads import check_first_loss, warn_nan_metrics
+from lightning_zero.zero.stage3.placeholder_reads import (
+    check_first_loss,
+    explain_placeholder_write,
+    warn_nan_metrics,
+)
 from lightning_zero.zero.stage12 import ShardedOptimizer
 
 
@@ -85,6 +91,14 @@ _WEIGHT_AVERAGING = (
     "such a callback reads and writes the module's parameters between steps, where stage 3 holds only this rank's"
     " shard of them (Lightning supports neither under FSDP or DeepSpeed). Use zero1_scratch or zero2_scratch, which"
     " keep the whole parameters on every rank."
+)
+
+
+_CLOSURE_TWICE = (
+    "{} evaluated the closure a second time in one step under {}: an optimizer that re-evaluates the loss (SAM, a"
+    " line search) reads or changes the weights between the two evaluations, which ZeRO holds as shards, so its step"
+    " would differ from ddp's. Use lightning_zero.optim.SAM (or implement lightning_zero.optim.ShardAware), or train"
+    " with ddp_scratch."
 )
 
 
@@ -130,6 +144,10 @@ class ZeroStrategy(ScratchParallelStrategy):
             per step; stage 2, or stage 1 with ``grad_sync="microbatch"``) or ``"auto"`` (default:
             ``"reduce_scatter"`` on NCCL where it applies, else ``"all_reduce"``, the faster on gloo). See
             [Note: gradient reduction] in ``lightning_zero/zero/stage12.py``.
+        elementwise_optimizers: optimizer classes (or their import paths) to shard although they are not ``torch.optim``
+            optimizers ZeRO knows: declare only those whose update of each element depends on that element alone.
+            Any other such optimizer is refused ([Note: elementwise optimizers] in ``lightning_zero/zero/partition.py``;
+            a SAM-like optimizer: :class:`lightning_zero.optim.SAM`).
         **kwargs: see :class:`~lightning_zero.strategies.base.ScratchParallelStrategy` (``find_unused_parameters``,
             ``broadcast_buffers``, the precision settings ``param_dtype``, ``reduce_dtype``, ``cast_module`` and
             ``master_weights``, ``process_group_backend``, ``timeout``, ``start_method``). ``grad_compression`` is
@@ -155,6 +173,7 @@ class ZeroStrategy(ScratchParallelStrategy):
         quant_block_size: int = QUANT_BLOCK_SIZE,
         shard_size: int | None = None,
         grad_reduction: str = "auto",
+        elementwise_optimizers: set[type] | None = None,
         **kwargs: Any,
     ) -> None:
         refuse_on_zero(f"zero{stage}_scratch", kwargs)
@@ -173,6 +192,7 @@ class ZeroStrategy(ScratchParallelStrategy):
             quant_block_size=quant_block_size,
             shard_size=shard_size,
             grad_reduction=grad_reduction,
+            elementwise_optimizers=elementwise_optimizers,
             reduce_dtype=kwargs.get("reduce_dtype", DEFAULT),
         )
         super().__init__(**kwargs)
@@ -184,6 +204,7 @@ class ZeroStrategy(ScratchParallelStrategy):
         self._model_loaded = False  # load_checkpoint loaded the weights too
         self._first_loss_unchecked = False  # stage 3, fitting: see check_first_loss
         self._nan_metrics_warned: set[str] = set()  # stage 3: see warn_nan_metrics
+        self._versions: ParamVersions | None = None  # fitting: [Note: parameters changed in place]
         self.strategy_name = f"zero{stage}_scratch"  # the registered name of this stage (run reports use it)
 
     @property
@@ -312,6 +333,7 @@ class ZeroStrategy(ScratchParallelStrategy):
     def _check_callbacks(self, trainer: pl.Trainer) -> None:
         """Refuse, by name and with the way out, the callbacks that change or read parameters ZeRO has sharded; warn
         about hooks that touch gradients ZeRO leaves ``None`` ([Note: gradients in the hooks])."""
+        check_renorming_modules(self.lightning_module, self.strategy_name)
         refused = {BaseFinetuning: _FINETUNING}
         if self.stage == 3:
             refused.update({StochasticWeightAveraging: _WEIGHT_AVERAGING, WeightAveraging: _WEIGHT_AVERAGING})
@@ -363,7 +385,12 @@ class ZeroStrategy(ScratchParallelStrategy):
         if engine is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
 
+        calls = []
+
         def closure_then_hold() -> Any:  # the optimizer runs the closure (the window's last backward) first
+            calls.append(None)
+            if len(calls) > 1 and not isinstance(optimizer, ShardAware):
+                raise RuntimeError(_CLOSURE_TWICE.format(type(optimizer).__name__, self.strategy_name))
             output = closure()
             engine.before_step()
             return output
@@ -373,8 +400,31 @@ class ZeroStrategy(ScratchParallelStrategy):
         return output
 
     @override
+    def on_exception(self, exception: BaseException) -> None:
+        super().on_exception(exception)
+        if self.stage == 3:
+            explain_placeholder_write(exception, self.strategy_name)
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        if self.lightning_module is not None:  # after any checkpoint was loaded into the parameters
+            self._versions = ParamVersions(self.lightning_module, self.strategy_name)
+
+    @contextmanager
+    def _writes_checked(self) -> Generator[None, None, None]:
+        """Around a training step: refuse parameters written in place since the last step or during it ([Note:
+        parameters changed in place] in ``lightning_zero/zero/inplace.py``)."""
+        if self._versions is not None:
+            self._versions.check("between two training steps (in a hook, a callback or a validation step)")
+        yield
+        if self._versions is not None:
+            self._versions.check("during training_step")
+
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        output = super().training_step(*args, **kwargs)
+        with self._writes_checked():
+            output = super().training_step(*args, **kwargs)
         if self._first_loss_unchecked:
             self._first_loss_unchecked = False
             check_first_loss(output, self.strategy_name)
@@ -407,6 +457,14 @@ class ZeroStrategy(ScratchParallelStrategy):
         module = self.lightning_module
         if self._params is not None and module is not None and module._trainer is not None:
             warn_nan_metrics(module.trainer.callback_metrics, self.strategy_name, self._nan_metrics_warned)
+
+    @contextmanager
+    @override
+    def _around_step(self) -> Generator[None, None, None]:
+        """Stage 3: a step that reads a sharded parameter outside its unit's forward gathers it
+        ([Note: unit lifecycle] in ``lightning_zero/zero/stage3/backward.py``)."""
+        with super()._around_step(), self._params.gathering_reads() if self._params is not None else nullcontext():
+            yield
 
     @override
     def _before_step(self) -> None:
@@ -480,6 +538,7 @@ class ZeroStrategy(ScratchParallelStrategy):
         # The engine outlives the fit: the optimizer stays sharded, and a ``trainer.save_checkpoint`` after ``fit``
         # must still gather the full optimizer state.
         self.precision_plugin.__dict__.pop("clip_grad_by_norm", None)
+        self._versions = None
         module = self.lightning_module
         trainer = module._trainer if module is not None else None
         succeeded = trainer is not None and trainer.state.status == TrainerStatus.RUNNING

@@ -29,7 +29,7 @@ from lightning_zero.robust.engine import check_precision_settings, check_shardin
 from lightning_zero.strategies.robust_zero import check_settings as check_robust_zero
 from lightning_zero.training.distributed import START_METHODS
 from lightning_zero.training.mesh import Mesh
-from lightning_zero.training.module_classes import module_classes
+from lightning_zero.training.module_classes import module_classes, optimizer_classes
 from lightning_zero.training.precision import parse_dtype, resolve_policy, unified_precision
 from lightning_zero.zero.hybrid import check_shard_size
 from lightning_zero.zero.settings import QUANT_BLOCK_SIZE, STAGES, STATE_DICT_TYPES, check_quantization
@@ -148,6 +148,7 @@ class ZeroStrategyConf:
     quant_block_size: int = QUANT_BLOCK_SIZE
     shard_size: Optional[int] = None
     grad_reduction: str = "auto"
+    elementwise_optimizers: Optional[list[str]] = None
     activation_checkpointing_policy: Optional[list[str]] = None
     process_group_backend: Optional[str] = None
     timeout: float = 1800.0
@@ -182,6 +183,7 @@ class ZeroStrategyConf:
         _check_precision_settings(self)
         _check_module_classes(self)
         with _as_config_error():
+            optimizer_classes("elementwise_optimizers", self.elementwise_optimizers)
             parse_dtype("grad_accum_dtype", self.grad_accum_dtype)
         if self.stage == 3 and self.grad_accum_dtype not in (None, "auto"):
             raise ConfigError(f"grad_accum_dtype={self.grad_accum_dtype!r} applies to stages 1 and 2 only: got stage=3")

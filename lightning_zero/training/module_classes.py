@@ -1,7 +1,8 @@
-"""Settings that name a set of module classes (``auto_wrap_policy``, ``activation_checkpointing_policy``).
+"""Settings that name a set of classes: module classes (``auto_wrap_policy``, ``activation_checkpointing_policy``),
+optimizer classes (``elementwise_optimizers``).
 
 Python callers pass the classes (``{Block}``); a Hydra config passes their import paths
-(``["torch.nn.TransformerEncoderLayer"]``), which :func:`module_classes` imports.
+(``["torch.nn.TransformerEncoderLayer"]``), which :func:`module_classes` / :func:`optimizer_classes` import.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import importlib
 from collections.abc import Iterable
 from typing import Any
 
+import torch
 from torch import nn
 
 EXAMPLE = "torch.nn.TransformerEncoderLayer"
@@ -25,9 +27,18 @@ def _import_class(path: str) -> Any:
 def module_classes(setting: str, value: Any) -> set[type[nn.Module]] | None:
     """``None``, or a non-empty set of ``nn.Module`` subclasses given as classes or import paths; anything else
     raises one error naming ``setting``."""
+    return _classes(setting, value, nn.Module, "nn.Module", "{Block}", EXAMPLE)
+
+
+def optimizer_classes(setting: str, value: Any) -> set[type[torch.optim.Optimizer]] | None:
+    """As :func:`module_classes`, for ``torch.optim.Optimizer`` subclasses."""
+    return _classes(setting, value, torch.optim.Optimizer, "torch.optim.Optimizer", "{MyOptimizer}", "my_pkg.MyOpt")
+
+
+def _classes(setting: str, value: Any, base: type, kind: str, example: str, path_example: str) -> set[type] | None:
     if value is None:
         return None
-    expected = f"expected a set of nn.Module classes (e.g. {{Block}}) or of their import paths (e.g. {EXAMPLE!r})"
+    expected = f"expected a set of {kind} classes (e.g. {example}) or of their import paths (e.g. {path_example!r})"
     if isinstance(value, (str, bytes, type)) or not isinstance(value, Iterable):
         raise ValueError(f"{setting}={value!r} is invalid: {expected}")
     classes = set()
@@ -37,8 +48,8 @@ def module_classes(setting: str, value: Any) -> set[type[nn.Module]] | None:
                 item = _import_class(item)
             except (ImportError, AttributeError) as err:
                 raise ValueError(f"{setting}: cannot import {item!r} ({err}): {expected}") from None
-        if not (isinstance(item, type) and issubclass(item, nn.Module)):
-            raise ValueError(f"{setting}={value!r} is invalid: {item!r} is not an nn.Module class; {expected}")
+        if not (isinstance(item, type) and issubclass(item, base)):
+            raise ValueError(f"{setting}={value!r} is invalid: {item!r} is not a {kind} class; {expected}")
         classes.add(item)
     if not classes:
         raise ValueError(f"{setting}={value!r} is invalid: it is empty (pass None for none); {expected}")

@@ -13,6 +13,37 @@ from lightning_zero.comm import collectives as comm
 from lightning_zero.zero.unused import ParamPieces
 
 
+def param_grad_norms(
+    params: list[ParamPieces], *, order: list[str], unused: set[str], group: object, device: torch.device
+) -> tuple[list[ParamPieces], Tensor]:
+    """The parameters with a gradient under ``ddp`` in the optimizer's ``order`` (``unused``: those no rank used),
+    and the 2-norm of each one's *whole* gradient, in the gradients' dtype, as torch computes it on a whole gradient
+    ([Note: clipping as torch does]). One all-reduce of two values per parameter; ``([], empty)`` if there are none."""
+    by_name = {p.name: p for p in params}
+    ordered = [by_name[name] for name in order if name not in unused and by_name[name].shard.grad is not None]
+    if not ordered:
+        return [], torch.zeros(0, device=device)
+    partial = torch.zeros(2, len(ordered), dtype=torch.float64, device=device)  # whole norms, squares of pieces
+    for i, param in enumerate(ordered):
+        grad = param.shard.grad.detach()
+        if [length for _, length in param.pieces] == [param.numel]:  # whole here, so nowhere else
+            partial[0, i] = get_total_norm([grad.narrow(0, *param.pieces[0])])  # torch's kernel for one gradient
+            continue
+        for offset, length in param.pieces:
+            partial[1, i] += grad.narrow(0, offset, length).double().pow(2).sum()
+    comm.all_reduce(partial, "sum", group=group, tag="clip_norm")
+    return ordered, (partial[0] + partial[1].sqrt()).to(ordered[0].shard.grad.dtype)  # one of the two is zero
+
+
+def total_grad_norm(
+    params: list[ParamPieces], *, order: list[str], unused: set[str], group: object, device: torch.device
+) -> Tensor:
+    """The 2-norm of the whole gradient across every rank's shard, as ``get_total_norm`` of the whole gradients under
+    ``ddp`` (see :func:`param_grad_norms`)."""
+    _, norms = param_grad_norms(params, order=order, unused=unused, group=group, device=device)
+    return get_total_norm(list(norms)) if len(norms) else torch.zeros((), device=device)
+
+
 def clip_grad_norm_(
     params: list[ParamPieces],
     max_norm: float,
@@ -31,22 +62,11 @@ def clip_grad_norm_(
     gradients are bit-identical to ``ddp``'s: a parameter whole in one rank's shard has its norm taken there by the
     same kernel (the other ranks add zero), and only a parameter cut by a shard boundary has its norm from the sum of
     its pieces' squares (in fp64). ``order`` names the parameters as the optimizer holds them; ``unused`` those without
-    a gradient under ``ddp`` (no rank used them). One all-reduce of two values per parameter.
+    a gradient under ``ddp`` (no rank used them).
     """
-    by_name = {p.name: p for p in params}
-    ordered = [by_name[name] for name in order if name not in unused and by_name[name].shard.grad is not None]
+    ordered, norms = param_grad_norms(params, order=order, unused=unused, group=group, device=device)
     if not ordered:
         return torch.zeros((), device=device)
-    partial = torch.zeros(2, len(ordered), dtype=torch.float64, device=device)  # whole norms, squares of pieces
-    for i, param in enumerate(ordered):
-        grad = param.shard.grad.detach()
-        if [length for _, length in param.pieces] == [param.numel]:  # whole here, so nowhere else
-            partial[0, i] = get_total_norm([grad.narrow(0, *param.pieces[0])])  # torch's kernel for one gradient
-            continue
-        for offset, length in param.pieces:
-            partial[1, i] += grad.narrow(0, offset, length).double().pow(2).sum()
-    comm.all_reduce(partial, "sum", group=group, tag="clip_norm")
-    norms = (partial[0] + partial[1].sqrt()).to(ordered[0].shard.grad.dtype)  # one of the two is zero
     total = get_total_norm(list(norms))
     clip_grads_with_norm_(list({id(p.shard): p.shard for p in ordered}.values()), max_norm, total)
     return total

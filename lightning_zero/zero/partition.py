@@ -9,17 +9,22 @@ the padding (< N elements) whatever the parameter sizes. Nothing here needs proc
 [Note: elementwise optimizers] A shard cuts tensors anywhere and the optimizer steps it as one 1-D tensor, so ZeRO
 trains as ``ddp`` only with an optimizer whose update of each element depends on that element's parameter, gradient
 and state alone (plus scalars such as the step count): SGD, Adam, AdamW and the rest of ``torch.optim`` but the four in
-:data:`NOT_ELEMENTWISE`, which :func:`check_elementwise` refuses. An optimizer from outside ``torch.optim`` gets a
-warning: ZeRO cannot tell whether its update is elementwise.
+:data:`NOT_ELEMENTWISE`, which :func:`check_elementwise` refuses. Any other optimizer (from another package, the user's
+own, or a ``torch.optim`` subclass with a ``step`` of its own) is refused too, naming its class: ZeRO cannot tell
+whether its update is elementwise, and when it is not (a global gradient norm, as SAM's) the training differs from
+``ddp`` with no other sign. The user declares the ones that are (``elementwise_optimizers={MyOptimizer}``); an
+optimizer that needs global quantities implements [Note: shard-aware optimizers] in
+``lightning_zero/optim/sharding.py`` (:class:`lightning_zero.optim.SAM` does).
 """
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
+
+from lightning_zero.optim.sharding import ShardAware
 
 NOT_ELEMENTWISE: dict[type, str] = {
     torch.optim.LBFGS: "its step re-evaluates the closure and takes dot products over all parameters",
@@ -92,9 +97,18 @@ def flat_layout(numels: Sequence[int], world_size: int) -> FlatLayout:
     return FlatLayout(numels=tuple(numels), offsets=tuple(offsets), world_size=world_size)
 
 
-def check_elementwise(optimizer: torch.optim.Optimizer) -> None:
-    """Raise if ``optimizer`` is one of :data:`NOT_ELEMENTWISE`; warn if it is not a ``torch.optim`` optimizer
-    ([Note: elementwise optimizers])."""
+def torch_step(kind: type[torch.optim.Optimizer]) -> bool:
+    """Whether optimizers of class ``kind`` step with a ``torch.optim`` class's own ``step``."""
+    owner = next(c for c in kind.__mro__ if "step" in vars(c))
+    return owner is not torch.optim.Optimizer and owner.__module__.startswith("torch.optim.")
+
+
+def check_elementwise(optimizer: torch.optim.Optimizer, declared: Collection[type] = ()) -> None:
+    """Raise unless ``optimizer`` steps elementwise as far as ZeRO can tell: a ``torch.optim`` step other than those
+    of :data:`NOT_ELEMENTWISE`, a class in ``declared`` (the user's ``elementwise_optimizers``), or a shard-aware
+    optimizer whose base optimizer passes ([Note: elementwise optimizers])."""
+    if isinstance(optimizer, ShardAware):
+        return check_elementwise(optimizer.base_optimizer, declared)
     kind = type(optimizer)
     for refused, why in NOT_ELEMENTWISE.items():
         if isinstance(optimizer, refused):
@@ -103,9 +117,14 @@ def check_elementwise(optimizer: torch.optim.Optimizer) -> None:
                 " from the whole model under ddp. Use it with ddp_scratch, or use an elementwise optimizer (SGD, Adam,"
                 " AdamW, ...)"
             )
-    if not any(c is not torch.optim.Optimizer and c.__module__.startswith("torch.optim.") for c in kind.__mro__):
-        warnings.warn(
-            f"ZeRO shards {kind.__module__}.{kind.__qualname__} element by element: it trains as under ddp only if"
-            " its update of each element depends on that element alone (as SGD's and Adam's do)",
-            stacklevel=2,
-        )
+    if torch_step(kind) or any(issubclass(kind, c) for c in declared):
+        return
+    path = f"{kind.__module__}.{kind.__qualname__}"
+    raise ValueError(
+        f"{path} is not an optimizer ZeRO knows: ZeRO steps each rank's shard of the flattened parameters on its own,"
+        " which trains as ddp only if the update of each element depends on that element alone (as SGD's and Adam's"
+        f" do). If {kind.__name__}'s does, declare it: elementwise_optimizers={{{kind.__name__}}} (Hydra:"
+        f" strategy.elementwise_optimizers=[{path}]). If it uses a global quantity (a gradient norm, as SAM does)"
+        " or changes the weights between evaluations of the closure, use lightning_zero.optim.SAM or implement"
+        " lightning_zero.optim.ShardAware, or train with ddp_scratch."
+    )

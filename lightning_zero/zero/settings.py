@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from lightning_zero.training.distributed import check_bucket_size
-from lightning_zero.training.module_classes import module_classes
+from lightning_zero.training.module_classes import module_classes, optimizer_classes
 from lightning_zero.training.precision import DEFAULT, PrecisionPolicy, parse_dtype
 from lightning_zero.zero.hybrid import ShardingGroups, check_shard_size, new_groups
 from lightning_zero.zero.stage3.engine import ShardedParams
@@ -62,6 +62,7 @@ class ZeroSettings:
     quant_block_size: int
     shard_size: int | None
     grad_reduction: str
+    elementwise_optimizers: frozenset[type]
 
     @classmethod
     def check(
@@ -80,6 +81,7 @@ class ZeroSettings:
         quant_block_size: int = QUANT_BLOCK_SIZE,
         shard_size: int | None = None,
         grad_reduction: str = "auto",
+        elementwise_optimizers: Any = None,
         reduce_dtype: Any = DEFAULT,
     ) -> ZeroSettings:
         """``reduce_dtype`` (the precision policy's setting, not stored here) is only checked against
@@ -131,6 +133,7 @@ class ZeroSettings:
             quant_block_size=quant_block_size,
             shard_size=shard_size,
             grad_reduction=grad_reduction,
+            elementwise_optimizers=frozenset(optimizer_classes("elementwise_optimizers", elementwise_optimizers) or ()),
         )
 
     def no_sync(self, engine: ShardedOptimizer | ShardedParams | None) -> AbstractContextManager:
@@ -185,6 +188,7 @@ def build_stage12(
         group=groups.shard,
         replicate_group=groups.replicate,
         reduce_gradients=reduce_gradients,
+        elementwise_optimizers=settings.elementwise_optimizers,
         **engine_dtypes(policy),
     )
 
@@ -218,5 +222,6 @@ def build_stage3(
         group=groups.shard,
         replicate_group=groups.replicate,
         check_group=groups.check,
+        elementwise_optimizers=settings.elementwise_optimizers,
         **engine_dtypes(policy),
     )

@@ -59,6 +59,8 @@ the part inside its shard. ``grad_reduction`` chooses how the bucket is averaged
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -66,7 +68,8 @@ from torch import Tensor, nn
 from lightning_zero.comm import collectives as comm
 from lightning_zero.comm.bucketing import assign_buckets
 from lightning_zero.dp.reducer import GradBucket, GradientReducer
-from lightning_zero.zero.grad_norm import clip_grad_norm_
+from lightning_zero.optim.sharding import ShardAware, Sharding
+from lightning_zero.zero.grad_norm import clip_grad_norm_, total_grad_norm
 from lightning_zero.zero.partition import FlatLayout, check_elementwise, flat_layout
 from lightning_zero.zero.unused import HeldPieces, ParamPieces, param_pieces
 
@@ -215,6 +218,8 @@ class ShardedOptimizer:
             are averaged over the default group, which spans both.
         reduce_gradients: ``False``: no reducer and no autograd hooks; the gradient shard comes from outside, through
             :meth:`set_shard_grads` (robust ZeRO: each rank's robust aggregate of its shard).
+        elementwise_optimizers: optimizer classes the user declares elementwise ([Note: elementwise optimizers] in
+            ``lightning_zero/zero/partition.py``).
     """
 
     def __init__(
@@ -235,13 +240,14 @@ class ShardedOptimizer:
         group: object = None,
         replicate_group: object = None,
         reduce_gradients: bool = True,
+        elementwise_optimizers: Collection[type] = (),
     ) -> None:
         if stage not in (1, 2):
             raise ValueError(f"stage={stage!r} is invalid for ShardedOptimizer: expected 1 or 2")
         grad_sync = grad_sync or ("boundary" if stage == 1 else "microbatch")
         if grad_sync not in GRAD_SYNC_MODES:
             raise ValueError(f"grad_sync={grad_sync!r} is invalid: expected one of {GRAD_SYNC_MODES}")
-        check_elementwise(optimizer)
+        check_elementwise(optimizer, elementwise_optimizers)
         initial = set_aside_state(optimizer)
         self.stage, self.grad_sync, self.group, self.optimizer = stage, grad_sync, group, optimizer
         self.persistent = stage == 1 and grad_sync == "boundary"
@@ -294,6 +300,8 @@ class ShardedOptimizer:
             from lightning_zero.zero.stage12_state import load_full_state_dict  # it imports this module
 
             load_full_state_dict(self, initial)
+        if isinstance(optimizer, ShardAware):  # [Note: shard-aware optimizers] in lightning_zero/optim/sharding.py
+            optimizer.attach_sharding(Sharding(self.total_grad_norm, self._gather_params, self.restart_window))
 
     def _resolve_reduction(self, grad_reduction: str) -> str:
         """``grad_reduction`` checked against the gradient storage, ``"auto"`` resolved ([Note: gradient
@@ -410,9 +418,29 @@ class ShardedOptimizer:
 
     def clip_grad_norm_(self, max_norm: float) -> Tensor:
         """Scale the shard gradients so the *global* gradient norm is at most ``max_norm``; return that norm."""
+        return clip_grad_norm_(self.param_pieces, max_norm, **self._norm_arguments())
+
+    def total_grad_norm(self) -> Tensor:
+        """The 2-norm of the whole averaged gradient, as ``get_total_norm`` of the gradients under ``ddp``
+        (collective)."""
+        return total_grad_norm(self.param_pieces, **self._norm_arguments())
+
+    def _norm_arguments(self) -> dict:
         order = [name for g in self.groups for name in g.names_in_group_order]
-        params, unused, device = self.param_pieces, self.unused_everywhere, self.groups[0].flat.device
-        return clip_grad_norm_(params, max_norm, order=order, unused=unused, group=self.group, device=device)
+        device = self.groups[0].flat.device
+        return {"order": order, "unused": self.unused_everywhere, "group": self.group, "device": device}
+
+    def restart_window(self) -> None:
+        """Drop the gradients of this accumulation window (``zero_grad`` under ``ddp``): the next backward starts
+        afresh. Stage 1's full gradient is kept bound to the parameters between backward passes otherwise."""
+        if self.reducer is not None:
+            self.reducer.end_window()
+        for g in self.groups:
+            g.accumulating = False
+            g.shard.grad = None
+            if self.persistent:
+                for p in g.params:
+                    p.grad = None
 
     @property
     def param_pieces(self) -> list[ParamPieces]:

@@ -106,7 +106,7 @@ def test_zero3_recompute_regathers_nested_units(runs):
         ({"Block"}, "activation_checkpointing_policy: cannot import 'Block'"),
         ({"torch.nn.NoSuchLayer"}, "cannot import 'torch.nn.NoSuchLayer'"),
         (set(), r"activation_checkpointing_policy=set\(\) is invalid: it is empty"),
-        ({int}, "is not an nn.Module class"),
+        ({int}, "is not a nn.Module class"),
         (Block, "activation_checkpointing_policy=.* is invalid: expected a set of nn.Module classes"),
     ],
 )

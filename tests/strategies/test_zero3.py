@@ -102,7 +102,7 @@ class _Probe(ModelStateProbe):
     def on_train_start(self, trainer, pl_module):
         engine = trainer.strategy.engine
         self.peak = 0
-        for name in ("_gather", "_on_grad", "_unit_done"):
+        for name in ("_gather", "_on_grad", "_complete"):
             method = getattr(engine, name)
 
             def sampled(*args, _method=method, **kwargs):

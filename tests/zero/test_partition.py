@@ -7,6 +7,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from lightning_zero.optim import SAM
 from lightning_zero.zero.partition import NOT_ELEMENTWISE, check_elementwise, flat_layout, shard_ranges
 
 
@@ -119,7 +120,11 @@ def test_every_torch_optimizer_zero_accepts_steps_shards_like_the_whole(kind):
             check_elementwise(kind([weight]))
 
 
-def test_an_optimizer_from_outside_torch_optim_is_warned_about_and_a_subclass_is_not():
+def test_an_optimizer_zero_does_not_know_is_refused_by_name_unless_declared_elementwise():
+    """Outside ``torch.optim``, or a ``torch.optim`` subclass with a step of its own: refused, naming the class and
+    the declaration; declared (or a subclass of a declared class), accepted. A subclass that keeps torch's step, and
+    a shard-aware optimizer over an elementwise base, need no declaration; over a refused base they are refused."""
+
     class Custom(Optimizer):
         def __init__(self, params):
             super().__init__(params, {})
@@ -127,9 +132,19 @@ def test_an_optimizer_from_outside_torch_optim_is_warned_about_and_a_subclass_is
     class CustomAdam(torch.optim.Adam):
         pass
 
+    class SteppingSGD(torch.optim.SGD):
+        def step(self, closure=None):
+            return super().step(closure)
+
     weight = nn.Parameter(torch.zeros(2))
-    with pytest.warns(UserWarning, match="ZeRO shards .*Custom element by element"):
-        check_elementwise(Custom([weight]))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        check_elementwise(CustomAdam([weight]))
+    for kind in (Custom, SteppingSGD):
+        with pytest.raises(ValueError, match=f"{kind.__qualname__} is not an optimizer ZeRO knows") as refusal:
+            check_elementwise(kind([weight]))
+        assert f"elementwise_optimizers={{{kind.__name__}}}" in str(refusal.value)
+        assert "lightning_zero.optim.SAM" in str(refusal.value)
+        check_elementwise(kind([weight]), declared={kind})
+    check_elementwise(SteppingSGD([weight]), declared={torch.optim.SGD})  # a subclass of a declared class
+    check_elementwise(CustomAdam([weight]))
+    check_elementwise(SAM([weight], torch.optim.AdamW, lr=0.1))
+    with pytest.raises(ValueError, match=r"^LBFGS cannot be sharded by ZeRO"):
+        check_elementwise(SAM([weight], torch.optim.LBFGS))

@@ -57,7 +57,7 @@ the same order; gathers that repeat the previous pass's order need no exchange, 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from functools import partial
@@ -70,8 +70,19 @@ from torch.utils._pytree import tree_flatten
 from lightning_zero.comm import collectives as comm
 from lightning_zero.dp.reducer import dense_grad
 from lightning_zero.dp.unused import UsedParams, unused_error
-from lightning_zero.zero.grad_norm import clip_grad_norm_
+from lightning_zero.optim.sharding import ShardAware, Sharding
+from lightning_zero.zero.grad_norm import clip_grad_norm_, total_grad_norm
 from lightning_zero.zero.partition import check_elementwise
+from lightning_zero.zero.stage3.backward import (
+    GatherOnRead,
+    GraphTask,
+    InputsDone,
+    accumulates,
+    current_task,
+    grad_accumulator,
+    grad_inputs,
+    will_execute,
+)
 from lightning_zero.zero.stage3.gather_order import GatherOrder
 from lightning_zero.zero.stage3.materialize import build_meta_modules, load_real_tensors
 from lightning_zero.zero.stage3.segments import Segment, Unit, UnitState
@@ -118,6 +129,8 @@ class ShardedParams:
             in it are averaged across this group too, and the default group spans both.
         check_group: a gloo group of ``group``'s ranks for [Note: gather sequence check], when ranks shard over
             different groups (``None``: created here over ``group``'s ranks, which every rank must then share).
+        elementwise_optimizers: optimizer classes the user declares elementwise ([Note: elementwise optimizers] in
+            ``lightning_zero/zero/partition.py``).
     """
 
     def __init__(
@@ -141,6 +154,7 @@ class ShardedParams:
         group: Any = None,
         replicate_group: Any = None,
         check_group: Any = None,
+        elementwise_optimizers: Collection[type] = (),
     ) -> None:
         if grad_sync not in GRAD_SYNC_MODES:
             raise ValueError(f"grad_sync={grad_sync!r} is invalid: expected one of {GRAD_SYNC_MODES}")
@@ -162,6 +176,7 @@ class ShardedParams:
         self.reduce_dtype = reduce_dtype
         self.weight_block_size, self.grad_block_size = weight_block_size, grad_block_size
         self.require_backward_grad_sync = True
+        self.elementwise_optimizers = elementwise_optimizers
         self.optimizer: torch.optim.Optimizer | None = None
         self.original_groups: list[list[nn.Parameter]] = []
         self._placeholders: dict[torch.dtype, Tensor] = {}
@@ -183,7 +198,9 @@ class ShardedParams:
         self._last_order = [u.index for u in self.units]  # the previous pass's (prefetch guide)
         self._pending: list[tuple[Unit, Segment, Tensor, Tensor, comm.Handle | None]] = []
         self._cache: dict[tuple[int, torch.dtype], list[Tensor]] = {}  # transient buffers reused within a step
-        self._callback_queued = False
+        self._reads_depth, self._read_mode = 0, None  # gathering_reads
+        self._tasks: dict[int, GraphTask] = {}  # backward passes running ([Note: graph tasks])
+        self._input_hooks: list[InputsDone] = []  # this pass's
         self.released, self._reading = False, False
         self._hooks = self._register_hooks()
         owners = {id(m): m for m in module.modules() if any(id(p) in self._where for p in m.parameters(recurse=False))}
@@ -191,7 +208,8 @@ class ShardedParams:
         # [Note: unused parameters]
         self.find_unused_parameters = find_unused_parameters
         self._used = UsedParams([(name, p) for name, p in module.named_parameters() if p.requires_grad])
-        self._reduce_order = [u for u in reversed(self.units) if u.expected]
+        self._reduce_order = [u for u in reversed(self.units) if u.trainable]
+        self._accumulators = {id(p): grad_accumulator(p) for u in self.units for p in u.trainable}
         self._next_reduce = 0
         self._held: HeldPieces | None = None
 
@@ -222,7 +240,7 @@ class ShardedParams:
                     *self._dtypes,
                 )
             )
-        unit.expected = sum(p.requires_grad for p in unit.params)
+        unit.trainable = [p for p in unit.params if p.requires_grad]
         self._where.update({id(p): (unit, s, i) for s in unit.segments for i, p in enumerate(s.params)})
 
     def _placeholder(self, p: Tensor, segment: Segment) -> Tensor:
@@ -241,14 +259,17 @@ class ShardedParams:
         p.data = self._placeholder(p, segment)
 
     def _register_hooks(self) -> list[Any]:
-        hooks = []
+        hooks = [  # [Note: unit lifecycle]: reads of sharded parameters inside the module's forward gather them
+            self.module.register_forward_pre_hook(self._enter_reads),
+            self.module.register_forward_hook(self._exit_reads, always_call=True),
+        ]
         for unit in self.units:
             if unit.plan.name == ROOT:
                 for _, m in root_owners(self.module, [unit.plan]):
-                    hooks.append(m.register_forward_pre_hook(partial(self._pre_forward, unit)))
+                    hooks.append(m.register_forward_pre_hook(partial(self._pre_forward, unit), with_kwargs=True))
                 continue
             m = self.module.get_submodule(unit.plan.name)
-            hooks.append(m.register_forward_pre_hook(partial(self._pre_forward, unit)))
+            hooks.append(m.register_forward_pre_hook(partial(self._pre_forward, unit), with_kwargs=True))
             hooks.append(m.register_forward_hook(partial(self._post_forward, unit)))
         for unit in self.units:
             for p in unit.params:
@@ -309,12 +330,14 @@ class ShardedParams:
         """Before a step: gather the root unit, whose parameters the step may use outside any module's forward (a
         LightningModule's own ``nn.Parameter``, an ``nn.ParameterList``), as if its first user's forward began. It
         stays gathered until its gradients are reduced, or until :meth:`reshard` after an evaluation step."""
+        self._tasks.clear()  # of a backward that raised (its end never ran)
         root = self.units[0]
         if root.plan.name == ROOT and root.segments:
-            self._pre_forward(root, self.module, ())
+            self._pre_forward(root, self.module, (), {})
 
     def reshard(self) -> None:
         """Free every gathered unit and end the pass (after an evaluation step; by itself after each backward)."""
+        self._end_unit_passes()
         self._free_all()
         self._gather_order.end_pass()
 
@@ -322,6 +345,39 @@ class ShardedParams:
         for unit in self.units:
             self._free(unit)
         self._last_order, self._order = self._order or self._last_order, []
+
+    @contextmanager
+    def gathering_reads(self) -> Iterator[None]:
+        """Inside, reading a sharded parameter outside its unit's forward gathers its unit and keeps it gathered until
+        the pass ends (:class:`~lightning_zero.zero.stage3.backward.GatherOnRead`). The module's own forward runs
+        inside it; the Trainer strategy runs each whole step inside it (``training_step`` may read parameters
+        outside any forward)."""
+        self._enter_reads()
+        try:
+            yield
+        finally:
+            self._exit_reads()
+
+    def _enter_reads(self, *_: Any) -> None:
+        self._reads_depth += 1
+        if self._reads_depth == 1:
+            self._read_mode = GatherOnRead(self._on_read, self._where)
+            self._read_mode.__enter__()
+
+    def _exit_reads(self, *_: Any) -> None:
+        self._reads_depth -= 1
+        if self._reads_depth == 0 and self._read_mode is not None:
+            self._read_mode.__exit__(None, None, None)
+            self._read_mode = None
+
+    def _on_read(self, p: Tensor) -> None:
+        unit = self._where[id(p)][0]
+        if unit.running:  # its own forward
+            return
+        if unit.state is not UnitState.GATHERED:
+            self._gather(unit)
+            self._wait(unit)
+        unit.pinned = True
 
     @contextmanager
     def summon_full_params(self) -> Iterator[None]:
@@ -338,51 +394,80 @@ class ShardedParams:
             self.reshard()
 
     # ------------------------------------------------------------ forward
-    def _pre_forward(self, unit: Unit, module: nn.Module, args: Any) -> None:
-        if unit.state is UnitState.GATHERED:
+    def _pre_forward(self, unit: Unit, module: nn.Module, args: Any, kwargs: Any) -> None:
+        recompute = current_task() != -1  # activation checkpointing: a forward again inside backward
+        if recompute:
+            self._task().touched.add(unit.index)
+        if unit.state is not UnitState.GATHERED:
+            self._gather(unit)
+            self._wait(unit)
+            if not recompute:
+                self._order.append(unit.index)
+                position = len(self._order)
+                if position < len(self._last_order):  # prefetch what ran next last time
+                    self._gather(self.units[self._last_order[position]])
+        if unit.plan.name != ROOT:
+            unit.running += 1
+        if recompute or not torch.is_grad_enabled():
             return
-        self._gather(unit)
-        self._wait(unit)
-        if self._callback_queued:  # a recompute inside backward (activation checkpointing): not the forward order
-            return
-        self._order.append(unit.index)
-        position = len(self._order)
-        if position < len(self._last_order):  # prefetch what ran next last time
-            self._gather(self.units[self._last_order[position]])
+        unit.forwards += 1
+        inputs = grad_inputs(args, kwargs) if unit.plan.name != ROOT else []
+        if inputs:  # [Note: unit lifecycle]: complete only once these have their gradients
+            unit.inputs_pending += 1
+            self._input_hooks.append(InputsDone(inputs, partial(self._inputs_done, unit)))
 
     def _post_forward(self, unit: Unit, module: nn.Module, args: Any, output: Any) -> None:
+        unit.running -= 1
         tensors = [t for t in tree_flatten(output)[0] if isinstance(t, Tensor) and t.requires_grad]
+        # A recompute inside backward ([Note: graph tasks]). Non-reentrant: backward runs through the graph of the
+        # first forward. Reentrant (no graph recorded before): a nested backward runs through these outputs, so the
+        # unit stays gathered for it (hooked as after a first forward) and is freed when that backward ends.
+        if current_task() != -1 and (unit.forwards or not tensors):
+            if self.reshard_after_forward and not unit.pinned:
+                self._free(unit)
+            return
         if torch.is_grad_enabled() and tensors:
-            unit.backward_started = False
             for t in tensors:
                 t.register_hook(partial(self._pre_backward, unit))
             if not self.reshard_after_forward:
                 return
-        self._free(unit)
+        if not unit.pinned:
+            self._free(unit)
 
-    # ------------------------------------------------------------ backward
-    def _queue_end_backward(self) -> None:
-        if not self._callback_queued:
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-            self._callback_queued = True
+    # ------------------------------------------------------------ backward ([Note: unit lifecycle])
+    def _task(self) -> GraphTask:
+        """The running backward pass, registered (with its end queued) at the first hook that sees it."""
+        task_id = current_task()
+        task = self._tasks.get(task_id)
+        if task is None:
+            nested = any(not t.nested for t in self._tasks.values())  # a reentrant backward inside another
+            task = GraphTask(accumulates(list(self._accumulators.values())), torch.is_grad_enabled(), nested)
+            self._tasks[task_id] = task
+            torch.autograd.Variable._execution_engine.queue_callback(partial(self._end_task, task_id))
+        return task
 
     def _pre_backward(self, unit: Unit, grad: Tensor) -> None:
-        self._queue_end_backward()
-        if unit.backward_started:
+        self._task().touched.add(unit.index)
+        if unit.state is UnitState.GATHERED:
             return
-        unit.backward_started = True
         self._gather(unit)
         self._wait(unit)
         if unit.index in self._order:  # prefetch the unit that ran just before this one
             last = len(self._order) - 1 - self._order[::-1].index(unit.index)
-            if last > 0:
+            if last > 0 and not self.units[self._order[last - 1]].done:
                 self._gather(self.units[self._order[last - 1]])
+
+    def _inputs_done(self, unit: Unit) -> None:
+        if self._task().accumulates:
+            unit.inputs_pending -= 1
+            self._maybe_complete(unit)
 
     def _on_grad(self, p: Tensor) -> None:
         if p.grad is None:
             return
-        self._queue_end_backward()  # a model with a root unit only has no pre-backward hook
+        task = self._task()  # a model with a root unit only has no pre-backward hook
         unit, segment, i = self._where[id(p)]
+        task.touched.add(unit.index)
         if segment.grad_full is None:  # not zeroed: each gradient is copied in, gaps are zeroed before reducing
             segment.grad_full, segment.filled = self._take_grad_full(segment), [False] * len(segment.params)
         region = segment.grad_full.narrow(0, segment.layout.offsets[i], p.numel())
@@ -393,19 +478,28 @@ class ShardedParams:
         segment.filled[i] = True
         p.grad = None
         self._used.mark(p)
-        unit.arrived += 1
-        if unit.arrived == unit.expected:
-            self._unit_done(unit)
+        unit.arrived.add(id(p))
+        self._maybe_complete(unit)
 
-    def _unit_done(self, unit: Unit) -> None:
+    def _maybe_complete(self, unit: Unit) -> None:
+        """Complete the unit's backward if nothing this pass computes still needs it ([Note: unit lifecycle])."""
+        task = self._tasks.get(current_task())
+        if task is None or not task.accumulates or task.nested or unit.done or unit.pinned or unit.inputs_pending > 0:
+            return
+        accumulators = self._accumulators
+        if all(id(p) in unit.arrived or not will_execute(accumulators[id(p)]) for p in unit.trainable):
+            self._complete(unit)
+
+    def _complete(self, unit: Unit) -> None:
+        unit.done = True
         if self.require_backward_grad_sync:
             if self.find_unused_parameters:
                 unit.ready = True
                 self._reduce_in_order()
             else:
                 self._reduce(unit)
-        unit.arrived = -1  # done for this pass
-        self._free(unit)
+        if not unit.pinned:
+            self._free(unit)
 
     def _reduce_in_order(self, finish: bool = False) -> None:
         """Reduce the ready units in the fixed order (all the rest too, as zeros where unused, with ``finish``)."""
@@ -468,29 +562,53 @@ class ShardedParams:
     def _give(self, buffer: Tensor) -> None:
         self._cache.setdefault((buffer.numel(), buffer.dtype), []).append(buffer)
 
-    def _end_backward(self) -> None:
+    def _end_task(self, task_id: int) -> None:
+        task = self._tasks.pop(task_id, None)
+        if task is None:
+            return
+        if task.accumulates and not task.nested:
+            return self._end_pass()
+        for unit in (self.units[i] for i in sorted(task.touched)):
+            if task.create_graph:  # the graph it built saved views of the unit's weights for a later backward
+                unit.pinned = True
+            elif not unit.pinned and unit.plan.name != ROOT:  # units are gathered again before their backward
+                self._free(unit)
+
+    def _end_pass(self) -> None:
+        """The end of a backward pass that accumulated gradients: the units it left incomplete are reduced, then the
+        pass's state goes."""
         try:
             sync = self.require_backward_grad_sync
             unused = self._used.unused_in_pass()
             if sync and unused and not self.find_unused_parameters:
                 raise unused_error(unused)
-            for unit in self.units:  # units with unused trainable parameters: the rest reduced as zeros
-                if unit.arrived > 0:
-                    self._unit_done(unit)
+            for unit in reversed(self.units):  # incomplete: an output no loss used, pinned, first-unit oddities
+                if not unit.done:
+                    self._complete(unit)
             if sync and self.find_unused_parameters:
                 self._reduce_in_order(finish=True)
+            if sync:  # gradients that arrived after their unit completed
+                for unit in reversed(self.units):
+                    if any(s.grad_full is not None for s in unit.segments if s.key != FROZEN):
+                        self._reduce(unit)
+            if sync and self.find_unused_parameters:
                 self._used.find_unused_everywhere(self.device, self._job_group)
             while self._pending:
                 self._finish_reduction()
         finally:
-            for unit in self.units:
-                unit.arrived, unit.ready = 0, False
-            self._next_reduce = 0
+            self._end_unit_passes()
             self._used.end_pass()
-            self._callback_queued = False
             self._cache.clear()  # nothing unsharded survives the step
             self._free_all()
         self._gather_order.end_pass()  # not after an error: the other ranks may never reach theirs
+
+    def _end_unit_passes(self) -> None:
+        for unit in self.units:
+            unit.end_pass()
+        self._next_reduce = 0
+        for hook in self._input_hooks:
+            hook.remove()
+        self._input_hooks = []
 
     # ------------------------------------------------------------ unused parameters
     # [Note: unused parameters] With find_unused_parameters=True a unit that a rank did not (fully) use is reduced all
@@ -533,7 +651,7 @@ class ShardedParams:
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Rebuild ``optimizer`` (built over the module's parameters) in place over the shards; state it already holds
         is sharded with it ([Note: state made before sharding] in ``lightning_zero/zero/stage12.py``)."""
-        check_elementwise(optimizer)
+        check_elementwise(optimizer, self.elementwise_optimizers)
         initial = set_aside_state(optimizer)
         group_of = {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
         unknown = [i for i in group_of if i not in self._names]
@@ -556,6 +674,8 @@ class ShardedParams:
             from lightning_zero.zero.stage3.state import load_optimizer_state_dict  # it imports this module
 
             load_optimizer_state_dict(self, initial, initial["param_groups"])
+        if isinstance(optimizer, ShardAware):  # [Note: shard-aware optimizers] in lightning_zero/optim/sharding.py
+            optimizer.attach_sharding(Sharding(self.total_grad_norm, lambda: None, self.restart_window))
 
     def _resegment(self, unit: Unit, keys: list[int | str], params: list[nn.Parameter]) -> None:
         """Re-lay ``unit`` with one segment per key (one unit gathered at a time)."""
@@ -605,9 +725,21 @@ class ShardedParams:
 
     def clip_grad_norm_(self, max_norm: float) -> Tensor:
         """Global-norm clipping over every rank's shard gradients (see ``clip_grad_norm_`` in sharded_optimizer)."""
+        return clip_grad_norm_(self.param_pieces, max_norm, **self._norm_arguments())
+
+    def total_grad_norm(self) -> Tensor:
+        """The 2-norm of the whole averaged gradient, as ``get_total_norm`` of the gradients under ``ddp``
+        (collective)."""
+        return total_grad_norm(self.param_pieces, **self._norm_arguments())
+
+    def _norm_arguments(self) -> dict:
         order = [self._names[id(p)] for group in self.original_groups for p in group if p.requires_grad]
-        params, unused = self.param_pieces, self.unused_everywhere
-        return clip_grad_norm_(params, max_norm, order=order, unused=unused, group=self.group, device=self.device)
+        return {"order": order, "unused": self.unused_everywhere, "group": self.group, "device": self.device}
+
+    def restart_window(self) -> None:
+        """Drop the gradients of this accumulation window (``zero_grad`` under ``ddp``)."""
+        for s in self.segments:
+            s.shard.grad = None
 
     def remove(self) -> None:
         for handle in self._hooks:

@@ -80,7 +80,8 @@ def disagreement(entries: Sequence[Sequence[int]], me: int, labels: Sequence[str
 
 _ADVICE = (
     " Every rank must run the sharded units the same number of times in the same order (no data-dependent skipping"
-    " or repeating of a unit)"
+    " or repeating of a unit): a module that only some ranks run (an expert, a branch) must sit inside a unit that"
+    " every rank runs. Choose larger units, e.g. auto_wrap_policy={the block class that holds it}."
 )
 
 

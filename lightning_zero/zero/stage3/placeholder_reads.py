@@ -46,3 +46,18 @@ def warn_nan_metrics(metrics: Mapping[str, Any], name: str, warned: set[str]) ->
             " Compute it inside a module's forward, or inside `with trainer.strategy.engine.summon_full_params():` (on"
             " every rank), or use zero1_scratch/zero2_scratch, which keep the whole parameters on every rank."
         )
+
+
+_PLACEHOLDER_WRITE = "more than one element of the written-to tensor refers to a single memory location"
+
+
+def explain_placeholder_write(exception: BaseException, name: str) -> None:
+    """Add a note to ``exception`` if it is torch's refusal to write into a placeholder."""
+    if _PLACEHOLDER_WRITE in str(exception):
+        exception.add_note(
+            f"{name}: between training steps a module parameter is a placeholder (this rank holds only its shard), so"
+            " an in-place write to it (a weight clamp or renorm in a hook or callback) cannot work. ZeRO keeps one"
+            " value of each parameter across the ranks and cannot follow writes outside the optimizer ([Note:"
+            " parameters changed in place] in lightning_zero/zero/inplace.py): use ddp_scratch, or leave the"
+            " parameter to the optimizer."
+        )

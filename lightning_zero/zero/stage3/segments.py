@@ -91,9 +91,20 @@ class Unit:
         self.segments: list[Segment] = []
         self.state = UnitState.SHARDED
         self.handles: list[comm.Handle | None] = []
-        self.expected = self.arrived = 0  # trainable parameters; gradients arrived in this backward
-        self.backward_started = False
-        self.ready = False  # its gradients are complete in this pass, waiting for their turn to be reduced
+        self.trainable: list[nn.Parameter] = []
+        # Per pass ([Note: unit lifecycle] in lightning_zero/zero/stage3/backward.py):
+        self.running = 0  # its forward is running (a read of its parameters there is its own)
+        self.forwards = 0  # forwards with gradients enabled (recomputes inside backward not counted)
+        self.inputs_pending = 0  # of those, forwards whose input gradients backward has yet to compute
+        self.arrived: set[int] = set()  # ids of the trainable parameters whose gradients arrived
+        self.done = False  # its backward completed: reduced (unless inside no_sync) and freed
+        self.ready = False  # find_unused_parameters: completed, waiting for its turn to be reduced
+        self.pinned = False  # kept gathered until the pass ends (read outside its forward, or create_graph)
+
+    def end_pass(self) -> None:
+        self.running = self.forwards = self.inputs_pending = 0
+        self.arrived = set()
+        self.done = self.ready = self.pinned = False
 
     @property
     def params(self) -> list[nn.Parameter]:
