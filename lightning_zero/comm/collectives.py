@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_zero.comm import watchdog
 from lightning_zero.comm.quantize import dequantize, pack, quantize, unpack
 
 ReduceOpName = str  # "sum" | "avg" | "max" | "min" | "product"
@@ -123,15 +124,24 @@ LEDGER = CommLedger()
 
 
 class Handle:
-    """A pending collective: one or more ``torch.distributed`` works plus an optional copy-out to run after them."""
+    """A pending collective: one or more ``torch.distributed`` works plus an optional copy-out to run after them.
+    ``label`` names it in a timeout's message; ``bounded``: its waits are bounded by ``collective_timeout``
+    ([Note: collective watchdog] in ``lightning_zero/comm/watchdog.py``)."""
 
-    def __init__(self, works: Sequence[Any] = (), then: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        works: Sequence[Any] = (),
+        then: Callable[[], None] | None = None,
+        label: str = "a collective",
+        bounded: bool = False,
+    ) -> None:
         self._works = [w for w in works if w is not None]
         self._then = then
+        self._label, self._bounded = label, bounded
 
     def wait(self) -> None:
         for work in self._works:
-            work.wait()
+            work.wait() if isinstance(work, Handle) else watchdog.wait(work, self._label, self._bounded)
         self._works = []
         if self._then is not None:
             then, self._then = self._then, None
@@ -140,6 +150,10 @@ class Handle:
 
 def _nbytes(tensor: Tensor) -> int:
     return tensor.numel() * tensor.element_size()
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.2f} MiB" if nbytes >= 2**20 else f"{nbytes} bytes"
 
 
 def _op(name: ReduceOpName) -> Any:
@@ -171,8 +185,19 @@ def uses_gloo_substitutes(nbytes: int, group: Any = None) -> bool:
     return nbytes >= GLOO_SUBSTITUTE_MIN_BYTES and dist.get_backend(group) == "gloo"
 
 
-def _finish(works: Sequence[Any], async_op: bool, then: Callable[[], None] | None = None) -> Handle | None:
-    handle = Handle(works, then)
+def _finish(
+    works: Sequence[Any],
+    async_op: bool,
+    then: Callable[[], None] | None = None,
+    *,
+    op: str = "",
+    tag: str = "",
+    nbytes: int = 0,
+    group: Any = None,
+) -> Handle | None:
+    """The handle of ``works`` (the backend's, always started asynchronously), waited on here unless ``async_op``."""
+    label = f"{op} {tag!r} of {_size(nbytes)}" if op else "a collective"
+    handle = Handle(works, then, label, bounded=bool(works) and watchdog.timed(op, tag, group))
     if async_op:
         return handle
     handle.wait()
@@ -214,8 +239,8 @@ def all_reduce(
         return _finish([], async_op)
     reduce_op = _op(op)
     LEDGER.record("all_reduce", tag, _nbytes(tensor))
-    work = dist.all_reduce(tensor, op=reduce_op, group=group, async_op=async_op)
-    return _finish([work], async_op)
+    work = dist.all_reduce(tensor, op=reduce_op, group=group, async_op=True)
+    return _finish([work], async_op, op="all_reduce", tag=tag, nbytes=_nbytes(tensor), group=group)
 
 
 def reduce(
@@ -236,8 +261,8 @@ def reduce(
         return _finish([handle], async_op, then=(lambda: tensor.copy_(wire)) if rank() == dst else None)
     reduce_op = _op(op)
     LEDGER.record("reduce", tag, _nbytes(tensor))
-    work = dist.reduce(tensor, dst=dst, op=reduce_op, group=group, async_op=async_op)
-    return _finish([work], async_op)
+    work = dist.reduce(tensor, dst=dst, op=reduce_op, group=group, async_op=True)
+    return _finish([work], async_op, op="reduce", tag=tag, nbytes=_nbytes(tensor), group=group)
 
 
 def broadcast(
@@ -245,8 +270,8 @@ def broadcast(
 ) -> Handle | None:
     """In-place broadcast of ``tensor`` from global rank ``src``."""
     LEDGER.record("broadcast", tag, _nbytes(tensor))
-    work = dist.broadcast(tensor, src=src, group=group, async_op=async_op)
-    return _finish([work], async_op)
+    work = dist.broadcast(tensor, src=src, group=group, async_op=True)
+    return _finish([work], async_op, op="broadcast", tag=tag, nbytes=_nbytes(tensor), group=group)
 
 
 def reduce_scatter(
@@ -280,9 +305,10 @@ def reduce_scatter(
         _op(op)  # validates the name
         output.view(-1).copy_(input.view(-1))
         return _finish([], async_op)
+    described = {"op": "reduce_scatter", "tag": tag, "nbytes": _nbytes(input), "group": group}
     if not uses_gloo_substitutes(_nbytes(input), group):
-        work = _reduce_scatter_native(output, input, op=_op(op), group=group, async_op=async_op)
-        return _finish([work], async_op)
+        work = _reduce_scatter_native(output, input, op=_op(op), group=group, async_op=True)
+        return _finish([work], async_op, **described)
     if op not in _LOCAL_REDUCE:
         raise ValueError(f"reduce_scatter op {op!r} is invalid on gloo: expected one of {sorted(_LOCAL_REDUCE)}")
     me, k, out = rank(group), output.numel(), output.view(-1)
@@ -303,7 +329,7 @@ def reduce_scatter(
         if op in ("avg", "mean"):
             out.div_(n)
 
-    return _finish(works, async_op, then=combine)
+    return _finish(works, async_op, then=combine, **described)
 
 
 def all_gather(
@@ -335,9 +361,10 @@ def all_gather(
         if output.data_ptr() != input.data_ptr():
             output.view(-1).copy_(input.view(-1))
         return _finish([], async_op)
+    described = {"op": "all_gather", "tag": tag, "nbytes": _nbytes(output), "group": group}
     if not uses_gloo_substitutes(_nbytes(output), group):
-        work = _all_gather_native(output, input, group=group, async_op=async_op)
-        return _finish([work], async_op)
+        work = _all_gather_native(output, input, group=group, async_op=True)
+        return _finish([work], async_op, **described)
     flat = output.view(-1)
     mine = flat.narrow(0, rank(group) * k, k)
     if mine.data_ptr() != input.data_ptr():  # ZeRO gathers in place: the input already is this rank's slot
@@ -345,8 +372,8 @@ def all_gather(
     works = []
     for r in range(n):
         src = r if group is None else dist.get_global_rank(group, r)
-        works.append(dist.broadcast(flat.narrow(0, r * k, k), src=src, group=group, async_op=async_op))
-    return _finish(works, async_op)
+        works.append(dist.broadcast(flat.narrow(0, r * k, k), src=src, group=group, async_op=True))
+    return _finish(works, async_op, **described)
 
 
 def all_gather_quantized(
@@ -414,6 +441,7 @@ def reduce_scatter_quantized(
     LEDGER.record("reduce_scatter", tag, _nbytes(packed))
     received = packed if n == 1 else torch.empty_like(packed)
     works = [] if n == 1 else [dist.all_to_all_single(received, packed, group=group, async_op=True)]
+    described = {"op": "reduce_scatter", "tag": tag, "nbytes": _nbytes(packed), "group": group}
 
     def combine() -> None:  # contribution r is rank r's chunk for this rank
         total = dequantize(*unpack(received[0], k), block_size)
@@ -423,7 +451,7 @@ def reduce_scatter_quantized(
             total.div_(n)
         output.view(-1).copy_(total)
 
-    return _finish(works, async_op, then=combine)
+    return _finish(works, async_op, then=combine, **described)
 
 
 Pieces = Tensor | Sequence[Tensor]
@@ -455,30 +483,33 @@ def all_to_all(
             out.copy_(piece)
     if n == 1:
         return _finish([], async_op)
+    described = {"op": "all_to_all", "tag": tag, "nbytes": sum(_nbytes(t) for p in outs for t in p), "group": group}
     if dist.get_backend(group) != "gloo" and all(len(p) == 1 for p in outs + ins):
         work = dist.all_to_all([p[0] for p in outs], [p[0] for p in ins], group=group, async_op=True)
-        return _finish([work], async_op)
+        return _finish([work], async_op, **described)
     ops = []
     for peer in (q for q in range(n) if q != me):
         ops += [dist.P2POp(dist.isend, t, global_rank(peer, group), group) for t in ins[peer] if t.numel()]
         ops += [dist.P2POp(dist.irecv, t, global_rank(peer, group), group) for t in outs[peer] if t.numel()]
     if dist.get_backend(group) != "gloo":
-        return _finish(dist.batch_isend_irecv(ops) if ops else [], async_op)
-    return _finish([op.op(op.tensor, op.peer, group=op.group) for op in ops], async_op)
+        return _finish(dist.batch_isend_irecv(ops) if ops else [], async_op, **described)
+    return _finish([op.op(op.tensor, op.peer, group=op.group) for op in ops], async_op, **described)
 
 
 def send(tensor: Tensor, dst: int, *, group: Any = None, tag: str = "") -> Handle:
     """Start sending ``tensor`` to global rank ``dst`` (point to point); ``tensor`` must stay untouched until the
     returned handle has been waited on. The ledger records ``("send", tag, bytes)``."""
     LEDGER.record("send", tag, _nbytes(tensor))
-    return Handle([dist.isend(tensor, dst, group=group)])
+    works = [dist.isend(tensor, dst, group=group)]
+    return _finish(works, True, op="send", tag=tag, nbytes=_nbytes(tensor), group=group)  # type: ignore[return-value]
 
 
 def recv(tensor: Tensor, src: int, *, group: Any = None, tag: str = "") -> Handle:
     """Start receiving into ``tensor`` from global rank ``src``; it holds the data once the handle has been waited
     on. The ledger records ``("recv", tag, bytes)``."""
     LEDGER.record("recv", tag, _nbytes(tensor))
-    return Handle([dist.irecv(tensor, src, group=group)])
+    works = [dist.irecv(tensor, src, group=group)]
+    return _finish(works, True, op="recv", tag=tag, nbytes=_nbytes(tensor), group=group)  # type: ignore[return-value]
 
 
 def gather_object(obj: Any, dst: int = 0, *, group: Any = None, tag: str = "") -> list[Any] | None:

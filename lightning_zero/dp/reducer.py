@@ -54,6 +54,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_zero.comm import collectives as comm
+from lightning_zero.comm import watchdog
 from lightning_zero.comm.bucketing import assign_buckets
 from lightning_zero.comm.powersgd import PowerSGDCompressor
 from lightning_zero.dp.unused import unused_error
@@ -176,6 +177,10 @@ class GradientReducer:
             p.register_post_accumulate_grad_hook(partial(self._on_grad_ready, i)) for i, p in enumerate(self._params)
         ]
         self._used = [False] * len(self._params)  # got a gradient in this accumulation window
+        self._labels = {  # what a bucket's wait is, for the watchdog's messages
+            id(b): f"gradient bucket {i} of {len(b.indices)} parameters ({self._names[b.indices[0]]}, ...)"
+            for i, b in enumerate(self._buckets)
+        }
         self.unused_everywhere: list[int] = []  # of the last synchronised pass's window, by index
         self._reset_pass()
 
@@ -348,7 +353,8 @@ class GradientReducer:
         """Wait for the oldest launched buckets until at most ``keep`` remain; consume (and release) them."""
         while len(self._in_flight) > keep:
             bucket, handle = self._in_flight.pop(0)
-            handle.wait()
+            with watchdog.doing(self._labels.get(id(bucket), "a gradient bucket")):
+                handle.wait()
             if self.on_reduced is not None:
                 self.on_reduced(bucket)
             if self.transient:

@@ -47,10 +47,11 @@ class ScratchFabricStrategy(DistributedPlumbing, ParallelStrategy):
     Args:
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision: as in Fabric's
             ``DDPStrategy``; Fabric fills them in.
-        **settings: ``process_group_backend``, ``timeout``, ``start_method``, ``find_unused_parameters``,
-            ``broadcast_buffers`` (rank 0's buffers broadcast before a forward whose previous forward ran with
-            gradients enabled outside ``no_backward_sync``, as torch DDP does), ``param_dtype``, ``reduce_dtype``,
-            ``master_weights``, ``cast_module``, ``activation_checkpointing_policy``: as for the Trainer strategies
+        **settings: ``process_group_backend``, ``timeout``, ``collective_timeout``, ``start_method``,
+            ``find_unused_parameters``, ``broadcast_buffers`` (rank 0's buffers broadcast before a forward whose
+            previous forward ran with gradients enabled outside ``no_backward_sync``, as torch DDP does),
+            ``param_dtype``, ``reduce_dtype``, ``master_weights``, ``cast_module``,
+            ``activation_checkpointing_policy``: as for the Trainer strategies
             (:class:`~lightning_zero.strategies.base.ScratchParallelStrategy`).
     """
 

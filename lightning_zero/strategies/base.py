@@ -55,6 +55,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_zero.comm import collectives as comm
+from lightning_zero.comm import watchdog
 from lightning_zero.training import activation_checkpointing, faults
 from lightning_zero.training.checkpoint_checks import check_shapes, reading, shapes_of
 from lightning_zero.training.distributed import (
@@ -118,8 +119,12 @@ class ScratchParallelStrategy(DistributedPlumbing, ParallelStrategy):
             ``DDPStrategy``; the Trainer fills them in.
         process_group_backend: ``"gloo"``, ``"nccl"``, ``"mpi"`` or ``"ucc"``; default ``gloo`` on CPU and ``nccl``
             on CUDA.
-        timeout: collective timeout (a ``timedelta`` or seconds). A rank that dies makes the others fail after at
-            most this long instead of hanging.
+        timeout: the process group's timeout (a ``timedelta`` or seconds): what bounds every collective that
+            ``collective_timeout`` does not (barriers and checkpoint I/O, everything on NCCL).
+        collective_timeout: seconds a training collective may wait for its peers (gloo; default 300) before every
+            rank that can raise does, naming the collective, the unit or bucket, the step, and what the other ranks
+            were waiting in ([Note: collective watchdog] in ``lightning_zero/comm/watchdog.py``). ``None``: only
+            ``timeout`` bounds it.
         start_method: ``"popen"`` (default), ``"spawn"``, ``"fork"`` or ``"forkserver"``.
         find_unused_parameters: allow trainable parameters that get no gradient in a backward pass, as torch DDP's
             option of that name: they are averaged as zeros where a rank did not use them, and a parameter no rank
@@ -150,6 +155,7 @@ class ScratchParallelStrategy(DistributedPlumbing, ParallelStrategy):
         precision_plugin: Precision | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | float | None = default_pg_timeout,
+        collective_timeout: timedelta | float | None = watchdog.DEFAULT_TIMEOUT,
         start_method: str = "popen",
         find_unused_parameters: bool = False,
         broadcast_buffers: bool = True,
@@ -169,6 +175,7 @@ class ScratchParallelStrategy(DistributedPlumbing, ParallelStrategy):
         self._init_settings(
             process_group_backend=process_group_backend,
             timeout=timeout,
+            collective_timeout=collective_timeout,
             start_method=start_method,
             find_unused_parameters=find_unused_parameters,
             broadcast_buffers=broadcast_buffers,
@@ -290,14 +297,22 @@ class ScratchParallelStrategy(DistributedPlumbing, ParallelStrategy):
         """Rank 0's buffers on every rank (subclasses whose ranks hold different parts of the model override it)."""
         broadcast_module_states(module, tag="buffers", buffers_only=True)
 
+    def _at(self, stage: str) -> None:
+        """Tell the watchdog where training is, for its messages ([Note: collective watchdog])."""
+        trainer = self.lightning_module._trainer if self.lightning_module is not None else None
+        if trainer is not None:
+            watchdog.at(f"{stage} step {trainer.global_step}, epoch {trainer.current_epoch}")
+
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self._check_trainable()
+        self._at("training")
         with self._around_step():
             return super().training_step(*args, **kwargs)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._at("validation")
         with self._around_step():
             output = super().validation_step(*args, **kwargs)
         self._after_forward_only()

@@ -24,6 +24,8 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_zero.comm.powersgd import compression_config
+from lightning_zero.comm.watchdog import DEFAULT_TIMEOUT as DEFAULT_COLLECTIVE_TIMEOUT
+from lightning_zero.comm.watchdog import check_timeout
 from lightning_zero.robust.aggregation import RobustAggregator
 from lightning_zero.robust.engine import check_precision_settings, check_sharding, check_workers
 from lightning_zero.strategies.robust_zero import check_settings as check_robust_zero
@@ -68,11 +70,15 @@ def _as_config_error() -> Iterator[None]:
         raise ConfigError(str(err)) from None
 
 
-def _check_common(backend: Optional[str], timeout: float, start_method: str) -> None:
+def _check_common(
+    backend: Optional[str], timeout: float, start_method: str, collective_timeout: Optional[float] = None
+) -> None:
     if backend is not None and backend not in BACKENDS:
         raise ConfigError(f"process_group_backend={backend!r} is invalid: expected one of {BACKENDS} or null")
     if isinstance(timeout, bool) or timeout <= 0:
         raise ConfigError(f"timeout={timeout!r} is invalid: expected a number of seconds > 0")
+    with _as_config_error():
+        check_timeout(collective_timeout)
     if start_method not in START_METHODS:
         raise ConfigError(f"start_method={start_method!r} is invalid: expected one of {START_METHODS}")
 
@@ -110,13 +116,14 @@ class ScratchDDPStrategyConf:
     activation_checkpointing_policy: Optional[list[str]] = None
     process_group_backend: Optional[str] = None
     timeout: float = 1800.0
+    collective_timeout: Optional[float] = DEFAULT_COLLECTIVE_TIMEOUT
     start_method: str = "popen"
     grad_compression: Optional[str] = None
     powersgd: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _check_bucket(self.bucket_size_mb)
-        _check_common(self.process_group_backend, self.timeout, self.start_method)
+        _check_common(self.process_group_backend, self.timeout, self.start_method, self.collective_timeout)
         _check_precision_settings(self)
         _check_module_classes(self)
         with _as_config_error():
@@ -152,6 +159,7 @@ class ZeroStrategyConf:
     activation_checkpointing_policy: Optional[list[str]] = None
     process_group_backend: Optional[str] = None
     timeout: float = 1800.0
+    collective_timeout: Optional[float] = DEFAULT_COLLECTIVE_TIMEOUT
     start_method: str = "popen"
 
     def __post_init__(self) -> None:
@@ -179,7 +187,7 @@ class ZeroStrategyConf:
         if self.stage != 3 and any(stage3.values()):
             settings = ", ".join(f"{k}={getattr(self, k)!r}" for k, v in stage3.items() if v)
             raise ConfigError(f"{settings} apply to stage=3 only: got stage={self.stage}")
-        _check_common(self.process_group_backend, self.timeout, self.start_method)
+        _check_common(self.process_group_backend, self.timeout, self.start_method, self.collective_timeout)
         _check_precision_settings(self)
         _check_module_classes(self)
         with _as_config_error():
@@ -221,6 +229,7 @@ class RobustDDPStrategyConf:
     activation_checkpointing_policy: Optional[list[str]] = None
     process_group_backend: Optional[str] = None
     timeout: float = 1800.0
+    collective_timeout: Optional[float] = DEFAULT_COLLECTIVE_TIMEOUT
     start_method: str = "popen"
 
     def __post_init__(self) -> None:
@@ -228,7 +237,7 @@ class RobustDDPStrategyConf:
             check_workers(self.workers_per_rank, self.worker_momentum)
             check_sharding(self.sharded_aggregation, self.aggregation_replicas)
         self.aggregator_pipeline()
-        _check_common(self.process_group_backend, self.timeout, self.start_method)
+        _check_common(self.process_group_backend, self.timeout, self.start_method, self.collective_timeout)
         _check_precision_settings(self)
         _check_module_classes(self)
 
@@ -270,10 +279,11 @@ class _CheckedByItsStrategy:
 
     process_group_backend: Optional[str] = None
     timeout: float = 1800.0
+    collective_timeout: Optional[float] = DEFAULT_COLLECTIVE_TIMEOUT
     start_method: str = "popen"
 
     def __post_init__(self) -> None:
-        _check_common(self.process_group_backend, self.timeout, self.start_method)
+        _check_common(self.process_group_backend, self.timeout, self.start_method, self.collective_timeout)
         settings = {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
         with _as_config_error():
             pydoc.locate(self._target_)(**settings)  # type: ignore[attr-defined]

@@ -35,6 +35,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch import Tensor, nn
 
 from lightning_zero.comm import collectives as comm
+from lightning_zero.comm import watchdog
 from lightning_zero.training import activation_checkpointing, faults
 from lightning_zero.training.precision import (
     DEFAULT,
@@ -211,6 +212,7 @@ class DistributedPlumbing:
         *,
         process_group_backend: str | None = None,
         timeout: timedelta | float | None = default_pg_timeout,
+        collective_timeout: timedelta | float | None = watchdog.DEFAULT_TIMEOUT,
         start_method: str = "popen",
         find_unused_parameters: bool = False,
         broadcast_buffers: bool = True,
@@ -246,6 +248,7 @@ class DistributedPlumbing:
             raise ValueError(f"timeout={timeout!r} is invalid: expected a positive timedelta or number of seconds")
         self._process_group_backend = process_group_backend
         self._timeout = timeout
+        self.collective_timeout = watchdog.check_timeout(collective_timeout)
         self._start_method = start_method
         self._num_nodes = 1
         self.find_unused_parameters = find_unused_parameters
@@ -348,6 +351,8 @@ class DistributedPlumbing:
         )
         destroy_process_group_at_exit()
         faults.record_process(self.global_rank)
+        watchdog.configure(self.collective_timeout)  # [Note: collective watchdog] in lightning_zero/comm/watchdog.py
+        watchdog.start()
 
     def _check_before_launch(self) -> None:
         """When the Trainer or Fabric attaches the accelerator and the precision plugin, before any process starts:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -392,35 +393,54 @@ class _Diverging(ParityModule):
         return nn.functional.mse_loss(x, y)
 
 
-def _diverge(world_size: int, from_step: int, timeout_s: int) -> str:
+class _StepClock(Callback):
+    """When the optimizer step ``step`` started on this rank."""
+
+    def __init__(self, step: int) -> None:
+        self.step, self.started = step, None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.step and self.started is None:
+            self.started = time.monotonic()
+
+
+def _diverge(world_size: int, from_step: int, collective_timeout: float) -> tuple[str, float]:
+    """The error of a fit that diverges at ``from_step``, and the seconds from the start of that step to it."""
     config = ParityConfig(world_size, max_epochs=1)
-    strategy = ZeroStrategy(stage=3, timeout=timeout_s)
+    strategy = ZeroStrategy(stage=3, collective_timeout=collective_timeout)
+    clock = _StepClock(from_step)
     try:
-        make_trainer(config, strategy).fit(_Diverging(from_step), train_loader(config))
+        make_trainer(config, strategy, callbacks=[clock]).fit(_Diverging(from_step), train_loader(config))
     except Exception as error:  # the message is what the test checks
-        return f"{type(error).__name__}: {error}"
-    return "no error"
+        return f"{type(error).__name__}: {error}", time.monotonic() - clock.started
+    return "no error", 0.0
 
 
 @pytest.mark.timeout(200)
 def test_diverging_unit_sequence_raises_an_error_naming_the_units():
-    """In the first step no gather order is planned yet: every gather is checked and both ranks name both units."""
-    messages = run_workers(_diverge, 2, 2, 0, 60, timeout=150)
-    for message in messages:
-        assert "gather sequence diverged" in message, message
+    """In the first step no sequence is planned yet: every collective is checked before it is launched, and both
+    ranks name both units at once, long before any timeout."""
+    results = run_workers(_diverge, 2, 2, 0, 60, timeout=150)
+    for message, seconds in results:
+        assert "collective sequence diverged" in message, message
         assert "'net.3'" in message, message
+        assert seconds < 30, seconds
 
 
 @pytest.mark.timeout(200)
-def test_diverging_after_the_order_is_planned_fails_within_the_timeout_naming_a_unit():
-    """From step 2 the gathers follow the previous step's order unchecked ([Note: gather sequence check]): the rank
-    that leaves it waits in a check the other never joins, and the other waits on a collective: both fail at the
-    timeout, each naming a unit, instead of hanging."""
-    messages = run_workers(_diverge, 2, 2, 2, 10, timeout=150)
-    assert re.search(r"ZeRO-3 .* of unit 'net\.\d' failed on rank 0", messages[0]), messages[0]
-    assert re.search(r"gather sequence check timed out on rank 1 before gathering unit 'net\.\d'", messages[1]), (
-        messages[1]
-    )
+def test_diverging_after_the_order_is_planned_fails_within_the_collective_timeout_naming_everything():
+    """From step 2 the collectives follow the previous step's order unchecked ([Note: gather sequence check]): the
+    rank that leaves it (rank 1) waits in a check that rank 0 never joins, and rank 0 waits on a collective of the
+    plan. Rank 1 fails after ``collective_timeout`` ([Note: collective watchdog]) naming its wait, the unit, the step,
+    and what rank 0 was waiting in; rank 0 fails at once after it, naming its own collective and the step. No hang,
+    no 30-minute wait."""
+    results = run_workers(_diverge, 2, 2, 2, 10, timeout=150)
+    (zero, zero_s), (one, one_s) = results
+    assert one.startswith("CollectiveTimeout: lightning_zero: rank 1 waited 10 s in all_gather 'gather_check'"), one
+    assert "the ZeRO-3 sequence check before gathering unit 'net." in one and "(training step 2, epoch 0)" in one
+    assert re.search(r"Meanwhile rank 0: (reduce_scatter 'grads'|all_gather 'params') of \d+ bytes; ZeRO-3", one), one
+    assert re.search(r"ZeRO-3 .* of unit 'net\.\d' \(training step 2, epoch 0\)", zero), zero
+    assert 10 <= one_s < 25 and zero_s < 25, (zero_s, one_s)
 
 
 @pytest.mark.parametrize(

@@ -68,6 +68,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 
 from lightning_zero.comm import collectives as comm
+from lightning_zero.comm import watchdog
 from lightning_zero.dp.reducer import dense_grad
 from lightning_zero.dp.unused import UsedParams, unused_error
 from lightning_zero.optim.sharding import ShardAware, Sharding
@@ -191,7 +192,11 @@ class ShardedParams:
         load_real_tensors(module, self._load_param, self.device, job)
         build_meta_modules(module, self._load_param, self.device, rng_state, job)
         self._gather_order = GatherOrder(
-            [u.plan.label for u in self.units], group=job, timeout=timeout, check_group=check_group
+            [u.plan.label for u in self.units],
+            group=job,
+            timeout=timeout,
+            check_group=check_group,
+            mode=lambda: (torch.is_grad_enabled(), self.require_backward_grad_sync),
         )
         self._job_group = job
         self._order: list[int] = []  # units in the order this pass gathered them in forward
@@ -307,13 +312,16 @@ class ShardedParams:
 
     def _wait_for(self, handles: list[comm.Handle | None], what: str) -> None:
         try:
-            for handle in handles:
-                if handle is not None:
-                    handle.wait()
-        except RuntimeError as error:  # e.g. a timeout: another rank left the gather order (gather_order.py)
+            with watchdog.doing(f"ZeRO-3 {what}"):
+                for handle in handles:
+                    if handle is not None:
+                        handle.wait()
+        except watchdog.CollectiveTimeout:  # names all of it already
+            raise
+        except RuntimeError as error:  # e.g. a peer gone, or the process group's timeout
             raise RuntimeError(
-                f"ZeRO-3 {what} failed on rank {self.rank}: another rank did not join it (if one reports a diverged"
-                " gather sequence, that is the cause)"
+                f"{watchdog.describe(f'ZeRO-3 {what}')} failed on rank {self.rank}: another rank did not join it (if"
+                " one reports a diverged collective sequence, that is the cause)"
             ) from error
 
     def _free(self, unit: Unit) -> None:
@@ -512,6 +520,8 @@ class ShardedParams:
 
     def _reduce(self, unit: Unit) -> None:
         """Launch the reduce-scatter of the unit's gradients (missing ones count as zeros)."""
+        if any(s.grad_full is not None or (self.find_unused_parameters and s.key != FROZEN) for s in unit.segments):
+            self._gather_order.before_reduce(unit.index)
         for s in unit.segments:
             if s.grad_full is None:
                 if not self.find_unused_parameters or s.key == FROZEN:

@@ -6,7 +6,16 @@ import pytest
 import torch.distributed as dist
 
 from lightning_zero.comm import collectives as comm
-from lightning_zero.zero.stage3.gather_order import END, GATHER, GatherOrder, disagreement, extend_digest, is_planned
+from lightning_zero.zero.stage3.gather_order import (
+    END,
+    GATHER,
+    REDUCE,
+    GatherOrder,
+    code,
+    disagreement,
+    extend_digest,
+    is_planned,
+)
 from tests.helpers.workers import run_workers
 
 LABELS = ["a", "b", "c", "d"]
@@ -44,20 +53,28 @@ def test_disagreement_names_both_sides():
     assert disagreement(agree, 0, LABELS, []) == ""
     units = [[GATHER, 1, 5, 0], [GATHER, 3, 5, 0]]
     message = disagreement(units, 1, LABELS, [])
-    assert "gather sequence diverged" in message
-    assert "rank 1 gathers unit 'd' as its gather #5 while rank 0 gathers unit 'b' as its gather #5" in message
+    assert "collective sequence diverged" in message
+    assert "rank 1 gathers unit 'd' as its collective #5 while rank 0 gathers unit 'b' as its collective #5" in message
     ended = [[GATHER, 2, 7, 0], [END, -1, 7, 123]]
-    assert "rank 0 gathers unit 'c' as its gather #7 while rank 1 ended its pass after 7 gathers" in disagreement(
-        ended, 0, LABELS, []
+    assert "rank 0 gathers unit 'c' as its collective #7 while rank 1 ended its pass after 7 collectives" in (
+        disagreement(ended, 0, LABELS, [])
     )
-    assert "rank 1 ended its pass after 7 gathers while rank 0 gathers unit 'c'" in disagreement(ended, 1, LABELS, [])
+    assert "rank 1 ended its pass after 7 collectives while rank 0 gathers unit 'c'" in disagreement(
+        ended, 1, LABELS, []
+    )
+    reduces = [[REDUCE, 2, 4, 0], [GATHER, 1, 4, 0]]
+    assert (
+        "rank 0 reduce-scatters the gradients of unit 'c' as its collective #4 while rank 1 gathers unit 'b'"
+        in disagreement(reduces, 0, LABELS, [])
+    )
 
 
 def test_disagreement_at_the_end_of_a_pass_lists_this_ranks_sequence():
-    ends = [[END, -1, 9, _digest([0, 1, 2])], [END, -1, 9, _digest([0, 2, 1])]]
-    message = disagreement(ends, 0, LABELS, [0, 1, 2])
-    assert "diverged in the pass that just ended: rank 0 gathered ['a', 'b', 'c']" in message
-    assert "rank 1 gathered a different sequence (9 in all)" in message
+    mine = [code(GATHER, 0), code(REDUCE, 1), code(GATHER, 2)]
+    ends = [[END, -1, 9, _digest(mine)], [END, -1, 9, _digest(mine[::-1])]]
+    message = disagreement(ends, 0, LABELS, mine)
+    assert "diverged in the pass that just ended: rank 0 ran [gather 'a', reduce 'b', gather 'c']" in message
+    assert "rank 1 ran a different sequence (9 in all)" in message
 
 
 def _guard_worker(world_size: int, scenario: str) -> dict:
@@ -105,15 +122,15 @@ def test_planned_gathers_skip_the_exchange_and_unplanned_ones_are_checked():
         (
             "deviate",
             [
-                "rank 0 ended its pass after 18 gathers while rank 1 gathers unit 'd' as its gather #14",
-                "rank 1 gathers unit 'd' as its gather #14 while rank 0 ended its pass after 18 gathers",
+                "rank 0 ended its pass after 18 collectives while rank 1 gathers unit 'd' as its collective #14",
+                "rank 1 gathers unit 'd' as its collective #14 while rank 0 ended its pass after 18 collectives",
             ],
         ),
         (
             "shorter",
             [
-                "diverged in the pass that just ended: rank 0 gathered ['a', 'b', 'c', 'd', 'c', 'b'] in it",
-                "diverged in the pass that just ended: rank 1 gathered ['a', 'b', 'c', 'd'] in it",
+                "ended: rank 0 ran [gather 'a', gather 'b', gather 'c', gather 'd', gather 'c', gather 'b'] in it",
+                "diverged in the pass that just ended: rank 1 ran [gather 'a', gather 'b', gather 'c', gather 'd']",
             ],
         ),
     ],
