@@ -382,22 +382,16 @@ def case_transformer_meta(name: str, tmp: Path) -> dict:
     return {"state": state, "warnings": warned, "refusal": refusal}
 
 
-def case_compile(name: str, tmp: Path) -> dict:
+def case_compile(name: str, tmp: Path, whole: bool = False) -> dict:
     L.seed_everything(SEED, verbose=False)
-    module, recorder = CompiledGPT(), Recorder()
+    module, recorder = CompiledGPT(whole), Recorder()
     fit = quiet_trainer(make_strategy(name), max_epochs=1, callbacks=[recorder])
     fit.fit(module, train_loader(ParityConfig(model="gpt", batches_per_rank=4)))
     return _result(module, fit, recorder)
 
 
 def case_compile_whole(name: str, tmp: Path) -> dict:
-    try:
-        quiet_trainer(make_strategy(name), max_epochs=1).fit(
-            CompiledGPT(whole=True), train_loader(ParityConfig(model="gpt"))
-        )
-    except ValueError as error:
-        return {"error": str(error)}
-    return {}
+    return case_compile(name, tmp, whole=True)
 
 
 def case_resume(name: str, tmp: Path) -> dict:
@@ -551,7 +545,8 @@ def _all_cases(tmp: str) -> dict:
         out["clipping_in_a_hook", name] = case_clipping_in_a_hook(name, Path(tmp))
     for name in ("ddp", *OURS):  # compiled last: the first compile of each block takes seconds, later fits reuse it
         out["compile", name] = case_compile(name, Path(tmp))
-    out["compile_whole", "zero3_scratch"] = case_compile_whole("zero3_scratch", Path(tmp))
+    for name in ("ddp", "zero3_scratch"):  # units inside the compiled net: their hooks break its graph
+        out["compile_whole", name] = case_compile_whole(name, Path(tmp))
     out["transformer_meta", "zero3_scratch"] = case_transformer_meta("zero3_scratch", Path(tmp))
     for name in ("zero1_scratch", "zero2_scratch", "zero3_scratch"):  # the default: parameters gathered in bf16
         out["transformer_bf16_gathers", name] = case_transformer(name, Path(tmp), "bf16-mixed")
@@ -639,13 +634,16 @@ def test_the_peer_cases_discriminate(runs):
 @pytest.mark.parametrize("name", OURS)
 def test_torch_compile_per_block(runs, name):
     """Blocks compiled in ``configure_model``: ``ddp``'s weights and losses within 1e-4 under every strategy; under
-    ZeRO-3 a compile around the units is refused with the way out."""
-    for rank in range(WORLD):
-        ours, peer = runs[rank]["compile", name], runs[rank]["compile", "ddp"]
-        assert max_diff(ours["state"], peer["state"]) <= 1e-4
-        _assert_metrics_close(ours["steps"], peer["steps"], 1e-4)
-    assert len(runs[0]["compile", "ddp"]["steps"]) == 4
-    assert "block.compile()" in runs[0]["compile_whole", "zero3_scratch"]["error"]
+    ZeRO-3 also the whole net compiled around its units (the tied-embedding GPT: root-unit owners inside too), whose
+    gather hooks run outside the compiled code ([Note: hooks outside compiled code] in
+    ``lightning_zero/zero/stage3/engine.py``)."""
+    cases = ("compile", "compile_whole") if name == "zero3_scratch" else ("compile",)
+    for case in cases:
+        for rank in range(WORLD):
+            ours, peer = runs[rank][case, name], runs[rank][case, "ddp"]
+            assert max_diff(ours["state"], peer["state"]) <= 1e-4
+            _assert_metrics_close(ours["steps"], peer["steps"], 1e-4)
+        assert len(runs[0][case, "ddp"]["steps"]) == 4
 
 
 @pytest.mark.timeout(900)

@@ -249,6 +249,26 @@ class ClampsAfterEachStep(Shared):
                 p.clamp_(-0.3, 0.3)
 
 
+class CompiledInPlace(_Regression):
+    """``Module.compile()`` in ``configure_model`` (it compiles ``_call_impl``, forward hooks included): ``"units"``
+    each block (a ZeRO-3 unit), ``"around"`` the ``nn.Sequential`` that holds the blocks, ``"inside"`` a layer inside
+    each block."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__()
+        self.where = where
+        self.blocks = nn.Sequential(*[nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(2)])
+        self.head = nn.Linear(WIDTH, 1)
+
+    def configure_model(self) -> None:
+        targets = {"units": list(self.blocks), "around": [self.blocks], "inside": [b[0] for b in self.blocks]}
+        for module in targets[self.where]:
+            module.compile()
+
+    def forward(self, x):
+        return self.head(self.blocks(x))
+
+
 FAMILIES = {
     # name: (module factory, strategy kwargs, Trainer kwargs)
     "experts": (Experts, {"find_unused_parameters": True}, {}),
@@ -263,6 +283,9 @@ FAMILIES = {
     "l2_penalty": (L2Penalty, {}, {}),
     "encoder": (Encoder, {}, {}),
     "embedding_normalized": (lambda: Embedded(max_norm=None, normalize=True), {}, {}),
+    "compiled_units": (lambda: CompiledInPlace("units"), {}, {}),
+    "compiled_around_units": (lambda: CompiledInPlace("around"), {}, {}),
+    "compiled_inside_units": (lambda: CompiledInPlace("inside"), {}, {}),
 }
 
 WRITES_IN_PLACE = {

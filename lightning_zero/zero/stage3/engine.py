@@ -88,7 +88,7 @@ from lightning_zero.zero.stage3.gather_order import GatherOrder
 from lightning_zero.zero.stage3.materialize import build_meta_modules, load_real_tensors
 from lightning_zero.zero.stage3.segments import Segment, Unit, UnitState
 from lightning_zero.zero.stage3.traffic import SegmentTraffic, gathers_per_step, step_nbytes
-from lightning_zero.zero.stage3.units import ROOT, check_compiled, plan_units, root_owners
+from lightning_zero.zero.stage3.units import ROOT, plan_units, root_owners
 from lightning_zero.zero.stage12 import GRAD_SYNC_MODES, check_in_optimizer, set_aside_state
 from lightning_zero.zero.unused import HeldPieces, ParamPieces, param_pieces
 
@@ -184,7 +184,6 @@ class ShardedParams:
         self._where: dict[int, tuple[Unit, Segment, int]] = {}  # id(param) -> its unit, segment and index there
         self._names = {id(p): name for name, p in module.named_parameters()}
         plans = plan_units(module, auto_wrap_policy, min_num_params)
-        check_compiled(module, plans)
         self.units = [Unit(i, plan) for i, plan in enumerate(plans)]
         for unit in self.units:
             params = [module.get_parameter(name) for name in unit.plan.param_names]
@@ -264,18 +263,25 @@ class ShardedParams:
         p.data = self._placeholder(p, segment)
 
     def _register_hooks(self) -> list[Any]:
+        # [Note: hooks outside compiled code] A module compiled in place (``module.compile()``) compiles its whole
+        # ``_call_impl``, forward hooks included: traced, a hook's collectives and storage resizes would break the
+        # graph or be baked into it. ``torch._dynamo.disable`` makes each hook a graph break that runs eagerly, so
+        # the gather runs before the compiled forward sees the parameters and the free after it, wherever the
+        # compiled module sits (a unit, a module holding units, a module inside a unit).
+        eager = torch._dynamo.disable
         hooks = [  # [Note: unit lifecycle]: reads of sharded parameters inside the module's forward gather them
-            self.module.register_forward_pre_hook(self._enter_reads),
-            self.module.register_forward_hook(self._exit_reads, always_call=True),
+            self.module.register_forward_pre_hook(eager(self._enter_reads)),
+            self.module.register_forward_hook(eager(self._exit_reads), always_call=True),
         ]
         for unit in self.units:
+            pre_forward = eager(partial(self._pre_forward, unit))
             if unit.plan.name == ROOT:
                 for _, m in root_owners(self.module, [unit.plan]):
-                    hooks.append(m.register_forward_pre_hook(partial(self._pre_forward, unit), with_kwargs=True))
+                    hooks.append(m.register_forward_pre_hook(pre_forward, with_kwargs=True))
                 continue
             m = self.module.get_submodule(unit.plan.name)
-            hooks.append(m.register_forward_pre_hook(partial(self._pre_forward, unit), with_kwargs=True))
-            hooks.append(m.register_forward_hook(partial(self._post_forward, unit)))
+            hooks.append(m.register_forward_pre_hook(pre_forward, with_kwargs=True))
+            hooks.append(m.register_forward_hook(eager(partial(self._post_forward, unit))))
         for unit in self.units:
             for p in unit.params:
                 if p.requires_grad:

@@ -95,29 +95,8 @@ def plan_units(
     return [UnitPlan(name, tuple(params)) for name, params in owned.items() if params or name == ROOT]
 
 
-def _compiled(m: nn.Module) -> bool:
-    """``torch.compile(m)`` (an ``OptimizedModule``) or ``m.compile()``."""
-    return hasattr(m, "_orig_mod") or getattr(m, "_compiled_call_impl", None) is not None
-
-
 def root_owners(module: nn.Module, plans: list[UnitPlan]) -> list[tuple[str, nn.Module]]:
     """The modules that hold a root-unit parameter directly (each once): the root unit's pre-forward hooks sit on
     them, since its parameters are used at both ends of the model."""
     root = {id(p) for plan in plans if plan.name == ROOT for p in map(module.get_parameter, plan.param_names)}
     return [(name, m) for name, m in module.named_modules() if any(id(p) in root for p in m._parameters.values())]
-
-
-def check_compiled(module: nn.Module, plans: list[UnitPlan]) -> None:
-    """Refuse a ``torch.compile``'d module that contains a module the ZeRO-3 hooks sit on (a unit, or a module owning
-    root-unit parameters): the hooks gather parameters, and traced inside a compiled graph they would see the
-    placeholders. Compiling each unit (or anything inside one unit) is fine: its hooks run outside the graph."""
-    hooked = [plan.name for plan in plans if plan.name != ROOT] + [name for name, _ in root_owners(module, plans)]
-    compiled = [name for name, m in module.named_modules() if _compiled(m)]
-    inside = sorted({h for h in hooked for c in compiled if h != c and _within(h, c)})
-    if inside:
-        raise ValueError(
-            f"zero3_scratch cannot shard a model compiled around its units: {compiled} contain(s) {inside}, whose"
-            " parameters ZeRO-3 gathers with hooks that must run outside compiled code. Compile each unit instead"
-            " (e.g. `for block in self.blocks: block.compile()` in configure_model), or choose units that contain"
-            " the compiled modules (auto_wrap_policy)."
-        )

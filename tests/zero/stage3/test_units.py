@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_zero.zero.stage3.units import ROOT, check_compiled, plan_units
+from lightning_zero.zero.stage3.units import ROOT, plan_units
 from tests.helpers.parity import Block, TinyGPT
 
 
@@ -62,20 +62,3 @@ def test_units_that_own_nothing_are_dropped_and_bad_settings_fail():
         plan_units(model, auto_wrap_policy={nn.Linear}, min_num_params=3)
     with pytest.raises(ValueError, match="min_num_params=0 is invalid: expected an integer >= 1"):
         plan_units(model, min_num_params=0)
-
-
-def test_a_model_compiled_around_its_units_is_refused_and_compiled_units_are_not():
-    per_block = _meta(TinyGPT)
-    for i, block in enumerate(per_block.blocks):
-        per_block.blocks[i] = torch.compile(block)
-    check_compiled(per_block, plan_units(per_block))  # the hooks sit on the compiled blocks, outside their graphs
-    in_place = _meta(TinyGPT)
-    in_place.blocks[0].compile()
-    check_compiled(in_place, plan_units(in_place))
-
-    whole = nn.Module()
-    whole.net = torch.compile(_meta(TinyGPT))  # units and root-parameter owners inside one graph
-    with pytest.raises(ValueError, match=r"\['net'\] contain\(s\) \['net._orig_mod.blocks.0', .*'net._orig_mod.wte'"):
-        check_compiled(whole, plan_units(whole))
-    unit = nn.Sequential(torch.compile(_meta(TinyGPT)))  # the compiled module is the unit itself: fine
-    check_compiled(unit, plan_units(unit))
