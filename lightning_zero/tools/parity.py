@@ -76,6 +76,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, Sampler, SequentialSampler
 
 import lightning_zero  # noqa: F401  (registers our strategy names with Lightning)
+from lightning_zero.tools.overrides import did_you_mean
 
 PROG = "lightning-zero-parity"
 EXIT_PASS, EXIT_FAIL, EXIT_ERROR = 0, 1, 2
@@ -632,8 +633,11 @@ def _json_object(text: str, option: str) -> dict[str, Any]:
 def _job(args: argparse.Namespace) -> Job:
     """Validate the arguments (cheap checks first) and build the job. Raises :class:`ParityError`."""
     if args.strategy not in StrategyRegistry:
-        names = ", ".join(StrategyRegistry.available_strategies())
-        raise ParityError(f"--strategy {args.strategy!r} is not a registered strategy; choose one of: {names}")
+        names = StrategyRegistry.available_strategies()
+        raise ParityError(
+            f"--strategy {args.strategy!r} is not a registered strategy{did_you_mean(args.strategy, names)} (the"
+            f" registered ones: {', '.join(names)})"
+        )
     for option, value, least in (("--devices", args.devices, 2), ("--steps", args.steps, 1)):
         if value < least:
             raise ParityError(f"{option} {value}: must be at least {least}")

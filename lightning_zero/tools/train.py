@@ -8,11 +8,15 @@ With no arguments it runs the embedded demo: a character-level GPT on the stdlib
     lightning-zero-train --cfg job          # print the composed config
     lightning-zero-train --help             # list the config groups and their options
 
-Settings are checked right after composition (:func:`lightning_zero.tools.config.validate_config`): a bad value exits
-with one message before any process starts, also recorded in the run's ``train.log`` (Hydra has already created the
-run dir, with the composed config in ``.hydra/``). Multi-process runs: Lightning's popen launcher re-executes this
-command for each extra local rank with ``hydra.run.dir`` pinned to this run's directory, so every rank writes into
-one run dir (rank ``r`` logs to ``train_ddp_process_<r>.log`` there). Sweeps of multi-process jobs work::
+The command line is checked before Hydra composes anything (:func:`lightning_zero.tools.overrides.check_overrides`: a
+misspelt group option, Trainer argument or strategy setting gets "did you mean"), and the settings right after
+composition (:func:`lightning_zero.tools.config.validate_config`): a bad value exits with one message before any
+process starts, and the run dir Hydra created for it is removed again, so a rejected command leaves nothing behind.
+Everything the console shows (Lightning's messages, the progress bar, warnings) also goes to ``<job>_console.log`` in
+the run dir, and an interrupted run (Ctrl-C) says so in ``train.log``. Multi-process runs: Lightning's popen launcher
+re-executes this command for each extra local rank with ``hydra.run.dir`` pinned to this run's directory, so every
+rank writes into one run dir (rank ``r`` logs to ``train_ddp_process_<r>.log`` there). Sweeps of multi-process jobs
+work::
 
     lightning-zero-train -m strategy=ddp_scratch,zero1_scratch,zero3_scratch trainer.max_steps=50
 
@@ -24,14 +28,19 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+import sys
 import warnings
+from pathlib import Path
 from typing import Any
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_zero.tools.config import ConfigError, register_configs, validate_config
+from lightning_zero.tools.console import ConsoleLog
 from lightning_zero.tools.multirun import JobScope
+from lightning_zero.tools.overrides import OverrideError, check_overrides
 
 log = logging.getLogger("lightning_zero.tools.train")  # not __name__: "__main__" under python -m
 
@@ -72,10 +81,25 @@ def _processes_per_node(trainer_cfg: DictConfig) -> int:
 def _set_threads(cfg: DictConfig) -> None:
     import torch
 
+    processes, cores = _processes_per_node(cfg.trainer), os.cpu_count() or 1
     threads = cfg.get("threads_per_process")
     if threads is None:
-        threads = max(1, (os.cpu_count() or 1) // _processes_per_node(cfg.trainer))
+        threads = max(1, cores // processes)
     torch.set_num_threads(int(threads))
+    on_cpu = cfg.trainer.get("accelerator", "auto") == "cpu" or not torch.cuda.is_available()
+    if on_cpu and processes * int(threads) > cores and os.environ.get("LOCAL_RANK", "0") == "0":
+        log.warning(
+            "trainer.devices=%s starts %d processes x %d thread(s) on %d CPU cores: %d threads compete for %d"
+            " cores, so every step runs slower than with fewer processes (trainer.devices=%d, or lower"
+            " threads_per_process)",
+            cfg.trainer.get("devices"),
+            processes,
+            int(threads),
+            cores,
+            processes * int(threads),
+            cores,
+            max(1, cores // int(threads)),
+        )
 
 
 def build(cfg: DictConfig) -> dict[str, Any]:
@@ -139,18 +163,23 @@ def _report(out: dict[str, Any], output_dir: str, job_name: str) -> None:
     print("\n".join(lines), flush=True)
 
 
-def _log_to_files(message: str) -> None:
-    """Write ``message`` as an ERROR record of this module's logger to the job's log files (``<run dir>/train.log``)
-    only: the console gets it once, from ``SystemExit``; the log says why the run dir holds no results."""
-    if not log.isEnabledFor(logging.ERROR):
-        return
-    record = log.makeRecord(log.name, logging.ERROR, __file__, 0, message, None, None)
-    logger: logging.Logger | None = log
-    while logger is not None:  # the handlers logging.Logger.callHandlers would reach, the file ones alone
-        for handler in logger.handlers:
-            if isinstance(handler, logging.FileHandler) and record.levelno >= handler.level:
-                handler.handle(record)
-        logger = logger.parent if logger.propagate else None
+def _discard_run_dir(output_dir: str) -> None:
+    """Remove what Hydra wrote for a run rejected before it started: ``.hydra/`` and the empty log files (the run dir
+    too, and its parents, if nothing else is left in them). Anything else in it (a pinned ``hydra.run.dir`` with
+    results) stays."""
+    run_dir = Path(output_dir).resolve()
+    for handler in [h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]:
+        if Path(handler.baseFilename).resolve().parent == run_dir:
+            logging.getLogger().removeHandler(handler)
+            handler.close()
+    shutil.rmtree(run_dir / ".hydra", ignore_errors=True)
+    for path in run_dir.glob("*.log"):
+        if path.stat().st_size == 0:
+            path.unlink()
+    cwd, folder = Path.cwd().resolve(), run_dir
+    while folder != cwd and cwd in folder.parents and folder.is_dir() and not any(folder.iterdir()):
+        folder.rmdir()
+        folder = folder.parent
 
 
 @hydra.main(version_base="1.3", config_path="pkg://lightning_zero.conf", config_name="train")
@@ -159,21 +188,42 @@ def main(cfg: DictConfig) -> float | None:
     from hydra.core.hydra_config import HydraConfig
 
     _quiet_unactionable_messages()
+    hydra_cfg = HydraConfig.get()
     try:
         validate_config(cfg)
     except ConfigError as err:
-        _log_to_files(f"invalid configuration: {err}")
+        _discard_run_dir(hydra_cfg.runtime.output_dir)
         raise SystemExit(f"lightning-zero-train: invalid configuration: {err}") from None
-    hydra_cfg = HydraConfig.get()
-    with JobScope() as job:
+    console = Path(hydra_cfg.runtime.output_dir) / f"{hydra_cfg.job.name}_console.log"
+    with ConsoleLog(console), JobScope() as job:
         parts = build(cfg)
         job.attach(parts["trainer"])
-        out = fit_and_validate(**parts)
+        try:
+            out = fit_and_validate(**parts)
+        except (KeyboardInterrupt, SystemExit):
+            trainer = parts["trainer"]
+            log.error(
+                "rank %d: interrupted (Ctrl-C or a signal) at step %d, epoch %d; the run stops here",
+                trainer.global_rank,
+                trainer.global_step,
+                trainer.current_epoch,
+            )
+            raise
     if out["trainer"].is_global_zero:
         _report(out, hydra_cfg.runtime.output_dir, hydra_cfg.job.name)
     value = out["metrics"].get(cfg.get("optimized_metric") or "")
     return value
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """The console script: the command line checked (:func:`~lightning_zero.tools.overrides.check_overrides`), then
+    :func:`main`."""
+    try:
+        check_overrides(sys.argv[1:])
+    except OverrideError as err:
+        raise SystemExit(f"lightning-zero-train: invalid override: {err}") from None
     main()
+
+
+if __name__ == "__main__":
+    cli()

@@ -9,7 +9,13 @@ one tiny 2-process ``zero3_scratch`` run exits 0 and leaves its checkpoint, csv 
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -31,7 +37,7 @@ from lightning_zero.tools.config import (
     ZeroStrategyConf,
     validate_config,
 )
-from tests.helpers.cli import CliRun, run_cli
+from tests.helpers.cli import CliRun, cli_env, run_cli
 from tests.helpers.conf import CONF_DIR, options
 
 GROUPS = ("trainer", "strategy", "model", "data", "optimizer", "callbacks", "logger", "experiment")
@@ -360,16 +366,14 @@ def test_schema_rejects_unknown_keys_in_a_strategy_yaml(compose_cfg) -> None:
 # ---- the CLI as a subprocess ------------------------------------------------------------------------------------
 
 
-def _assert_refused(result: CliRun, run_dir: Path, message: str) -> None:
-    """Exit non-zero with ``message`` printed once, last, and recorded in the run dir's ``train.log``."""
+def _assert_refused(result: CliRun, run_dir: Path, message: str, kind: str = "configuration") -> None:
+    """Exit non-zero with ``message`` printed once, last, and nothing left on disk: Hydra created the run dir (its
+    composed config, an empty log) before main ran, and main removed it."""
     assert result.returncode == 1, result.stdout[-6000:]
     lines = [line for line in result.stdout.splitlines() if line.strip()]
-    assert lines[-1] == f"lightning-zero-train: invalid configuration: {message}", result.stdout[-6000:]
+    assert lines[-1] == f"lightning-zero-train: invalid {kind}: {message}", result.stdout[-6000:]
     assert result.stdout.count(message) == 1 and "Traceback" not in result.stdout
-    # Hydra created the run dir before main ran: it holds the composed config and the reason, nothing else.
-    assert sorted(p.name for p in run_dir.iterdir()) == [".hydra", "train.log"]
-    (record,) = (run_dir / "train.log").read_text().splitlines()
-    assert record.endswith(f"[lightning_zero.tools.train][ERROR] - invalid configuration: {message}"), record
+    assert not run_dir.exists()
     assert not result.leftover
 
 
@@ -379,7 +383,63 @@ def test_cli_bad_override_exits_non_zero_with_one_message(tmp_path: Path) -> Non
     result = run_cli(["strategy.stage=4", f"hydra.run.dir={run_dir}"], tmp_path, timeout=45)
     message = "strategy (lightning_zero.ZeroStrategy): stage=4 is invalid: expected 1, 2 or 3"
     _assert_refused(result, run_dir, message)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+    assert list(tmp_path.iterdir()) == []
+    result = run_cli(["strategy.stage=4"], tmp_path, timeout=45)  # Hydra's own outputs/runs/<time>/, removed too
+    _assert_refused(result, tmp_path / "outputs", message)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["strategy=zero3_scrach"], "strategy=zero3_scrach is not an option of strategy; did you mean zero3_scratch?"),
+        (["-m", "strategy=ddp_scratch,zero4_scratch"], "strategy=zero4_scratch is not an option of strategy; did"),
+        (
+            ["trainer.max_step=10"],
+            "trainer.max_step is not an argument of lightning.pytorch.Trainer; did you mean trainer.max_steps?",
+        ),
+        (
+            ["strategy.stgae=2"],
+            "strategy.stgae is not a setting of strategy=zero3_scratch; did you mean strategy.stage?",
+        ),
+        (
+            ["strategy=ddp_scratch", "strategy.bucket_size_m=5"],
+            "strategy.bucket_size_m is not a setting of strategy=ddp_scratch; did you mean strategy.bucket_size_mb?",
+        ),
+    ],
+)
+def test_cli_misspelt_names_get_did_you_mean_before_hydra_runs(tmp_path: Path, args, message) -> None:
+    """Hydra's answer to ``trainer.max_step=10`` is to append it with ``+`` (the wrong key), and to an unknown option
+    a list of every option: the command line is checked first, and nothing is written."""
+    result = run_cli(args, tmp_path, timeout=60)
+    assert result.returncode == 1, result.stdout[-6000:]
+    last = [line for line in result.stdout.splitlines() if line.strip()][-1]
+    assert last.startswith(f"lightning-zero-train: invalid override: {message}"), result.stdout[-3000:]
+    assert "+trainer" not in result.stdout and "Traceback" not in result.stdout
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_more_processes_than_cores_are_warned_about_once_with_the_numbers(caplog, monkeypatch) -> None:
+    import torch
+
+    from lightning_zero.tools.train import _set_threads
+
+    threads = torch.get_num_threads()
+    cores = os.cpu_count() or 1
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    try:
+        with caplog.at_level("WARNING", logger="lightning_zero.tools.train"):
+            _set_threads(OmegaConf.create({"trainer": {"devices": cores + 2, "accelerator": "cpu"}}))
+            _set_threads(OmegaConf.create({"trainer": {"devices": cores, "accelerator": "cpu"}}))
+        monkeypatch.setenv("LOCAL_RANK", "1")  # an extra rank: rank 0 has said it
+        with caplog.at_level("WARNING", logger="lightning_zero.tools.train"):
+            _set_threads(OmegaConf.create({"trainer": {"devices": cores + 2, "accelerator": "cpu"}}))
+    finally:
+        torch.set_num_threads(threads)
+    (record,) = caplog.records
+    expected = f"trainer.devices={cores + 2} starts {cores + 2} processes x 1 thread(s) on {cores} CPU cores"
+    assert record.getMessage().startswith(expected), record.getMessage()
 
 
 @pytest.mark.timeout(60)
@@ -405,10 +465,10 @@ def test_cli_lists_only_the_strategies_as_options(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     result = run_cli(["strategy=zero_scratch_schema", f"hydra.run.dir={run_dir}"], tmp_path, timeout=40)
     assert result.returncode == 1
-    assert "In 'train': Could not find 'strategy/zero_scratch_schema'" in result.stdout
-    listed = "\n".join(f"\t{name}" for name in options("strategy"))
-    assert f"Available options in 'strategy':\n{listed}\nConfig search path:" in result.stdout, result.stdout
-    assert not run_dir.exists()  # refused while composing, before Hydra creates the run dir
+    listed = ", ".join(options("strategy"))
+    assert "zero_scratch_schema is not an option of strategy; did you mean" in result.stdout, result.stdout
+    assert f"(options: {listed})" in result.stdout, result.stdout
+    assert not run_dir.exists()  # refused before Hydra composes or creates the run dir
 
 
 @pytest.mark.slow  # 30 s; the pipeline's Hydra config is composed and validated in the default run
@@ -452,11 +512,42 @@ def test_cli_tiny_two_process_zero3_run_writes_one_run_dir(tmp_path: Path) -> No
     first, final = map(float, re.search(r"val/ppl: first ([\d.]+) \(step 0\), final ([\d.]+)", result.stdout).groups())
     assert final < first
     # One run dir holds everything: rank 0's and rank 1's logs, both ranks' checkpoint shards, csv metrics.
-    assert sorted(p.name for p in run_dir.glob("*.log")) == ["train.log", "train_ddp_process_1.log"]
+    logs = ["train.log", "train_console.log", "train_ddp_process_1.log", "train_ddp_process_1_console.log"]
+    assert sorted(p.name for p in run_dir.glob("*.log")) == logs
     assert "rank 1 of 2: done" in (run_dir / "train_ddp_process_1.log").read_text()
+    console = (run_dir / "train_console.log").read_text()  # what the console showed: Lightning's, the progress bar
+    assert "All distributed processes registered" in console and "Epoch 0: 100%" in console, console[-3000:]
     assert (run_dir / ".hydra" / "config.yaml").is_file()
     last = run_dir / "checkpoints" / "last.ckpt"
     assert (last / "meta.pt").is_file() and len(list(last.glob("*.distcp"))) == 2
     metrics = (run_dir / "csv" / "metrics.csv").read_text()
     assert "train/loss" in metrics.splitlines()[0] and "val/ppl" in metrics.splitlines()[0]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # nothing written elsewhere
+
+
+@pytest.mark.timeout(180)
+def test_cli_ctrl_c_leaves_a_trace_in_the_logs(tmp_path: Path) -> None:
+    """Ctrl-C (SIGINT to the run's process group, as a terminal sends it) during the fit: Lightning shuts down, and
+    ``train.log`` says at which step the run was interrupted."""
+    run_dir = tmp_path / "run"
+    args = ["trainer.max_steps=100000", "model.n_layer=1", "model.n_embd=32", "data.max_chars=40000"]
+    cmd = [sys.executable, "-m", "lightning_zero.tools.train", *args, f"hydra.run.dir={run_dir}"]
+    proc = subprocess.Popen(
+        cmd, cwd=tmp_path, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while "Epoch 0" not in _read(run_dir / "train_console.log") and time.monotonic() < deadline:
+            time.sleep(0.5)
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.communicate(timeout=60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    log = (run_dir / "train.log").read_text()
+    assert re.search(r"\[ERROR\] - rank 0: interrupted \(Ctrl-C or a signal\) at step \d+, epoch \d+", log), log[-3000:]
+    assert proc.returncode != 0
+
+
+def _read(path: Path) -> str:
+    return path.read_text() if path.is_file() else ""

@@ -111,7 +111,10 @@ def test_lightning_boring_model_passes_under_ddp_from_the_command_line(tmp_path)
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["MLP", "--strategy", "zero4"], "--strategy 'zero4' is not a registered strategy; choose one of: ddp,"),
+        (
+            ["MLP", "--strategy", "zero4_scratch"],
+            "--strategy 'zero4_scratch' is not a registered strategy; did you mean zero3_scratch? (the registered",
+        ),
         (["MLP", "--strategy", "ddp", "--devices", "1"], "--devices 1: must be at least 2"),
         (["MLP", "--strategy", "ddp", "--steps", "0"], "--steps 0: must be at least 1"),
         (["MLP", "--strategy", "ddp", "--batch-size", "0"], "--batch-size 0: must be at least 1"),
