@@ -24,6 +24,8 @@ when the buckets are rebuilt (the trainable parameters changed) its per-bucket m
 from __future__ import annotations
 
 from collections.abc import Mapping
+from contextlib import AbstractContextManager
+from functools import partial
 from typing import Any
 
 from torch import Tensor, nn
@@ -31,6 +33,7 @@ from torch.optim import Optimizer
 
 from lightning_zero.comm.powersgd import CHECKPOINT_KEY, PowerSGDCompressor, PowerSGDConfig
 from lightning_zero.dp.reducer import GradientReducer
+from lightning_zero.optim.sharding import restart_on_zero_grad, toggled_off
 from lightning_zero.training.precision import MasterWeights, PrecisionPolicy
 
 
@@ -61,8 +64,9 @@ class DataParallelEngine:
         low = {p.dtype for p in module.parameters() if p.requires_grad and policy.master(p.dtype) is not None}
         self.master_dtype = policy.master_dtype if low else None
         self.reducer: GradientReducer | None = None
-        self.rebuild_reducer()
         self._masters: dict[int, MasterWeights] = {}  # id(optimizer) -> its master copies
+        self._master_of: dict[int, Tensor] = {}  # id(parameter) -> its master
+        self.rebuild_reducer()
 
     def _cast_params(self) -> dict[int, Tensor]:
         """Cast the parameters to the policy's ``cast_dtype``; return their values from before (for the masters)."""
@@ -85,6 +89,7 @@ class DataParallelEngine:
             grad_dtype=self.master_dtype,  # masters: gradients accumulate in their dtype
             reduce_dtype=self.policy.reduce_dtype,
             compressor=self.compressor,
+            ignored=self._master_off if self.master_dtype is not None else None,
         )
         if old is not None:  # rebuilt inside a run, maybe inside a no_sync window
             old.remove()
@@ -92,10 +97,23 @@ class DataParallelEngine:
             if self.compressor is not None:
                 self.compressor.reset_buckets()
 
+    def _master_off(self, p: Tensor) -> bool:
+        """Whether ``p``'s master is turned off (its optimizer toggled off: [Note: toggled-off optimizers] in
+        ``lightning_zero/optim/sharding.py``)."""
+        master = self._master_of.get(id(p))
+        return master is not None and not master.requires_grad
+
+    def toggled_off(self) -> AbstractContextManager:
+        """Backward with the parameters whose masters are toggled off turned off too."""
+        return toggled_off(self.master_pairs)
+
     def attach_optimizers(self, optimizers: list[Optimizer]) -> None:
         """Rebuild each optimizer's param groups over fp32 masters when the policy keeps them (state moved along)."""
         if self.master_dtype is not None:
             self._masters = {id(o): MasterWeights(o, self.master_dtype, self._originals) for o in optimizers}
+            for optimizer in optimizers:  # [Note: zero_grad reaches the engine] in lightning_zero/optim/sharding.py
+                restart_on_zero_grad(optimizer, partial(self.restart_window, optimizer))
+            self._master_of = {id(p): master for p, master in self.master_pairs}
         self._originals = {}
 
     def masters_of(self, optimizer: Any) -> MasterWeights | None:
@@ -118,7 +136,16 @@ class DataParallelEngine:
         masters = self.masters_of(optimizer)
         if masters is not None and self.reducer is not None:
             masters.after_step()
-            self.reducer.end_window()
+            self.reducer.end_window(self.reducer.indices_of(p for p, _ in masters.pairs))
+
+    def restart_window(self, optimizer: Any) -> None:
+        """``optimizer.zero_grad()`` with masters: its parameters' gradients dropped from the accumulation buckets
+        too, as ``zero_grad`` drops them under ``ddp``."""
+        masters = self.masters_of(optimizer)
+        if masters is not None and self.reducer is not None:
+            self.reducer.end_window(self.reducer.indices_of(p for p, _ in masters.pairs))
+            for p, _ in masters.pairs:
+                p.grad = None
 
     def add_masters_to_state(self, optimizer: Any, state: dict[str, Any]) -> None:
         """``optimizer.state_dict()`` with each parameter's fp32 ``"master"`` when master weights are kept."""
@@ -162,6 +189,8 @@ class DataParallelEngine:
         if self.reducer is not None:
             self.reducer.remove()
             self.reducer = None
+        for masters in self._masters.values():
+            restart_on_zero_grad(masters.optimizer, None)
         if self.policy.casts_module:
             for masters in self._masters.values():
                 masters.restore_dtype()

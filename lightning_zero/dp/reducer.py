@@ -44,7 +44,7 @@ counts one iteration, so passes inside ``no_sync()`` count nothing, as with torc
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
@@ -114,6 +114,9 @@ class GradientReducer:
             compressed buckets]); persistent buckets only.
         reduce_bucket: launches a bucket's reduction instead of the all-reduce and returns its handle (ZeRO: each
             piece reduced into the rank that owns it; [Note: gradient reduction] in ``lightning_zero/zero/stage12.py``).
+        ignored: ``ignored(p)`` says that ``p``'s gradient counts as not computed: its optimizer steps a stand-in
+            (ZeRO's shard, a master) that ``LightningModule.toggle_optimizer`` turned off ([Note: toggled-off
+            optimizers] in ``lightning_zero/optim/sharding.py``).
     """
 
     def __init__(
@@ -130,6 +133,7 @@ class GradientReducer:
         reduce_dtype: torch.dtype | None = None,
         compressor: PowerSGDCompressor | None = None,
         reduce_bucket: Callable[[GradBucket], comm.Handle] | None = None,
+        ignored: Callable[[Tensor], bool] | None = None,
     ) -> None:
         if compressor is not None and transient:
             raise ValueError(
@@ -154,6 +158,7 @@ class GradientReducer:
         self.reduce_dtype = reduce_dtype
         self.compressor = compressor
         self.reduce_bucket = reduce_bucket
+        self._ignored = ignored
         self.require_backward_grad_sync = True
 
         self._bucket_of = [0] * len(self._params)
@@ -246,12 +251,17 @@ class GradientReducer:
             return param.grad
         return self._view(i) if self._in_buffer[i] else None
 
-    def end_window(self) -> None:
-        """The accumulation window is over (the optimizer stepped): the next gradients start afresh. Transient
-        reducers and accumulation buckets rely on it; plain buckets restart when ``p.grad`` is set to ``None``."""
-        self._used = [False] * len(self._params)
-        if not self.transient:
-            self._in_buffer = [False] * len(self._params)
+    def end_window(self, indices: Iterable[int] | None = None) -> None:
+        """The accumulation window of the parameters at ``indices`` (``None``: of all) is over (their optimizer
+        stepped, or was zeroed): their next gradients start afresh. Transient reducers and accumulation buckets rely
+        on it; plain buckets restart when ``p.grad`` is set to ``None``. With several optimizers each has a window
+        of its own: one may step every micro-batch while another accumulates."""
+        for i in range(len(self._params)) if indices is None else indices:
+            self._used[i] = self._in_buffer[i] = False
+
+    def indices_of(self, params: Iterable[Tensor]) -> list[int]:
+        """The reducer's indices of ``params`` (those it reduces)."""
+        return [self._index[id(p)] for p in params if id(p) in self._index]
 
     def remove(self) -> None:
         """Remove the autograd hooks; gradients stay where they are."""
@@ -306,6 +316,9 @@ class GradientReducer:
         return self._in_buffer[i] if self.transient or self._cast[i] else self._params[i].grad is not None
 
     def _on_grad_ready(self, i: int, param: Tensor) -> None:
+        if self._ignored is not None and self._ignored(param):
+            self._check_ignored(i, param)
+            return
         view = self._view(i)
         if self._cast[i]:  # an accumulation bucket: cast in, add within the window
             if param.grad is not None:  # else _view's binding of a borrowed buffer took it in already
@@ -328,6 +341,21 @@ class GradientReducer:
         self._ready[i] = True
         self._pending[self._bucket_of[i]] -= 1
         self._launch_ready_buckets()
+
+    def _check_ignored(self, i: int, param: Tensor) -> None:
+        """An ignored parameter's gradient: nothing was accumulated if its owner turned ``requires_grad`` off for
+        this backward ([Note: toggled-off optimizers] in ``lightning_zero/optim/sharding.py``); a fresh gradient of a
+        backward it did not see is dropped; one added into its bucket's view cannot be taken out again."""
+        if not param.requires_grad or param.grad is None:
+            return
+        bucket = self._buckets[self._bucket_of[i]]
+        if bucket.buffer is not None and param.grad.data_ptr() == bucket.views[self._slot_of[i]].data_ptr():
+            raise RuntimeError(
+                f"parameter {self._names[i]!r} belongs to an optimizer toggled off (toggle_optimizer), but this"
+                " backward added its gradient to the ones it accumulates: run the backward through the strategy"
+                " (self.manual_backward(loss), fabric.backward(loss)), not loss.backward()"
+            )
+        param.grad = None
 
     def _launch_ready_buckets(self) -> None:
         # [Note: launch order]: never skip ahead of an unlaunched bucket.

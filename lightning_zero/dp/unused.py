@@ -4,7 +4,7 @@ were used in a backward pass, in an accumulation window, and on any rank (for Ze
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -53,5 +53,9 @@ class UsedParams:
     def end_pass(self) -> None:
         self._pass.clear()
 
-    def end_window(self) -> None:
-        self._window.clear()
+    def end_window(self, params: Iterable[Tensor] | None = None) -> None:
+        """The window of ``params`` (``None``: of all) ends: their optimizer stepped, or was zeroed."""
+        if params is None:
+            self._window.clear()
+        else:
+            self._window.difference_update(id(p) for p in params)

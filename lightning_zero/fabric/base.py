@@ -108,16 +108,29 @@ class ScratchFabricStrategy(DistributedPlumbing, ParallelStrategy):
     def _setup_replica(self, module: nn.Module) -> None:
         """Rank 0's weights on every rank, torch DDP's buffer rule, the precision policy's casts and scaler, and
         activation checkpointing (before any engine hooks the module). A second ``fabric.setup`` (a fresh model
-        to load a checkpoint into) replaces the first model's engine."""
+        to load a checkpoint into) replaces the first model's engine, and the first model refuses to run again."""
         self._remove_engine()
         if not has_meta_tensors(module):  # a meta-device model is built by the stage-3 engine, alike on every rank
             broadcast_module_states(module)
         self._module = module
         if self.activation_checkpointing_policy:
             self._checkpointed = activation_checkpointing.apply(module, self.activation_checkpointing_policy)
+        module.register_forward_pre_hook(self._check_current)
         module.register_forward_pre_hook(self._broadcast_buffers)
         module.register_forward_hook(self._after_forward)
         self._setup_precision_of(self.precision, module, cast_module=True)
+
+    def _check_current(self, module: nn.Module, args: Any) -> None:
+        """A model set up before the last ``fabric.setup`` has no engine any more: its gradients would go unaveraged
+        (two models set up one after the other, as a GAN's generator and discriminator often are)."""
+        if module is not self._module:
+            raise RuntimeError(
+                f"{self.strategy_name} trains one model at a time: {type(module).__name__} was set up before"
+                f" {type(self._module).__name__}, whose setup replaced its engine, so its gradients would not be"
+                " averaged. Put the models into one module (a GAN's generator and discriminator as attributes of one"
+                " nn.Module, called through its forward) and set it up with all their optimizers:"
+                " fabric.setup(model, g_opt, d_opt)"
+            )
 
     def _broadcast_buffers(self, module: nn.Module, args: Any) -> None:
         if self.broadcast_buffers and self._forward_param_sync:
@@ -186,7 +199,8 @@ class ScratchFabricStrategy(DistributedPlumbing, ParallelStrategy):
         roles = Roles.of(state, self._module)
         checkpoint = to_layout(self._convert_stateful_objects_in_state(state, filter or {}), roles)
         checkpoint.update(self._strategy_state())
-        self._write_checkpoint(path, checkpoint, storage_options, filtered=bool(filter))
+        optimizers = [state[key] for key in roles.optimizers]
+        self._write_checkpoint(path, checkpoint, storage_options, filtered=bool(filter), optimizers=optimizers)
 
     @override
     def load_checkpoint(
@@ -211,7 +225,8 @@ class ScratchFabricStrategy(DistributedPlumbing, ParallelStrategy):
                 check_keys(state, checkpoint, roles, file)
             return checkpoint
 
-        checkpoint, model_loaded, optimizers_loaded = self._read_checkpoint(path, read_full)
+        optimizers = [state[key] for key in roles.optimizers]
+        checkpoint, model_loaded, optimizers_loaded = self._read_checkpoint(path, read_full, optimizers)
         if strict:
             check_keys(state, checkpoint, roles, path)
         if roles.model is not None and not model_loaded and MODEL in checkpoint:
@@ -222,16 +237,20 @@ class ScratchFabricStrategy(DistributedPlumbing, ParallelStrategy):
         self._load_strategy_state(checkpoint)
         return restore_others(state, checkpoint, roles)
 
-    def _write_checkpoint(self, path: Any, checkpoint: dict[str, Any], storage_options: Any, filtered: bool) -> None:
-        """Write a checkpoint in the shared layout: one file, from rank 0."""
+    def _write_checkpoint(
+        self, path: Any, checkpoint: dict[str, Any], storage_options: Any, filtered: bool, optimizers: list[Optimizer]
+    ) -> None:
+        """Write a checkpoint in the shared layout: one file, from rank 0. ``optimizers``: the state's optimizers, in
+        the order of the checkpoint's ``"optimizer_states"``."""
         if self.is_global_zero:
             self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
 
     def _read_checkpoint(
-        self, path: Any, read_full: Callable[[Any], dict[str, Any]]
+        self, path: Any, read_full: Callable[[Any], dict[str, Any]], optimizers: list[Optimizer]
     ) -> tuple[dict[str, Any], bool, bool]:
         """The checkpoint at ``path`` in the shared layout, and whether reading it loaded the model and the
-        optimizers already (a sharded engine reads straight into its shards)."""
+        optimizers (the state's, in the order of ``"optimizer_states"``) already (a sharded engine reads straight
+        into its shards)."""
         return read_full(path), False, False
 
     def _read_whole(self, path: Any, weights_only: bool | None) -> dict[str, Any]:

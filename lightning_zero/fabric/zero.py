@@ -13,9 +13,11 @@ Runbook::
     fabric.clip_gradients(model, optimizer, max_norm=1.0)      # the global norm over every rank's shard
     optimizer.step()                                           # then the updated shards are all-gathered
 
-One optimizer per model. ``fabric.save`` writes a sharded directory by default (``state_dict_type="full"``: one file
-from rank 0) in the layout of the Trainer's ZeRO strategy, so either front end loads the other's checkpoints
-([Note: checkpoint layout] in ``lightning_zero/zero/checkpointing.py``).
+Several optimizers (a GAN's generator and discriminator) are each sharded on their own when set up together,
+``fabric.setup(model, g_opt, d_opt)``; each parameter belongs to one of them. ``fabric.save`` writes a sharded
+directory by default (``state_dict_type="full"``: one file from rank 0) in the layout of the Trainer's ZeRO strategy,
+so either front end loads the other's checkpoints ([Note: checkpoint layout] in
+``lightning_zero/zero/checkpointing.py``).
 """
 
 from __future__ import annotations
@@ -73,9 +75,11 @@ class ZeroStrategy(ScratchFabricStrategy):
     def setup_module_and_optimizers(
         self, module: nn.Module, optimizers: list[Optimizer], scheduler: Any = None
     ) -> tuple[nn.Module, list[Optimizer], Any]:
-        if len(optimizers) != 1:
-            raise ValueError(f"{self.strategy_name} shards one optimizer per model: got {len(optimizers)}")
-        return super().setup_module_and_optimizers(module, optimizers, scheduler)
+        """``fabric.setup(model, *optimizers)``: each optimizer sharded on its own (a GAN's two), each parameter in
+        one of them."""
+        module = self.setup_module(module)
+        self._attach(optimizers)
+        return module, optimizers, scheduler
 
     @override
     def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:
@@ -115,21 +119,30 @@ class ZeroStrategy(ScratchFabricStrategy):
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        """``fabric.setup_optimizers(optimizer)`` after ``fabric.setup_module(model)``: one optimizer per call."""
+        self._attach([optimizer])
+        return optimizer
+
+    def _attach(self, optimizers: list[Optimizer]) -> None:
+        """Shard ``optimizers`` over the module set up: stages 1 and 2 flatten their param groups, stage 3 rebuilds
+        them over its shards. All of a model's optimizers are sharded at once: a second call cannot add one."""
         if self._module is None:
             raise RuntimeError("set up the module before its optimizer: fabric.setup_module(model) first")
+        if self.engine is not None and (not isinstance(self.engine, ShardedParams) or self.engine.optimizers):
+            raise ValueError(
+                f"{self.strategy_name} shards all of a model's optimizers at once, and one was set up already: pass"
+                " them together, fabric.setup(model, optimizer_1, optimizer_2)"
+            )
         if isinstance(self.engine, ShardedParams):
-            self.engine.attach_optimizer(optimizer)
-        elif self.engine is not None:
-            raise ValueError(f"{self.strategy_name} shards one optimizer per model: a second one was set up")
+            self.engine.attach_optimizers(optimizers)
         else:
             self.engine = build_stage12(
                 self.settings,
                 self.precision_policy,
                 self._module,
-                optimizer,
+                optimizers,
                 find_unused_parameters=self.find_unused_parameters,
             )
-        return optimizer
 
     @override
     def _engine_no_sync(self) -> AbstractContextManager:
@@ -139,12 +152,12 @@ class ZeroStrategy(ScratchFabricStrategy):
     @override
     def _before_step(self, optimizer: Optimizer) -> None:
         if self.engine is not None:
-            self.engine.before_step()
+            self.engine.before_step(optimizer)
 
     @override
     def _after_step(self, optimizer: Optimizer) -> None:
         if self.engine is not None:
-            self.engine.after_step()
+            self.engine.after_step(optimizer)
 
     @override
     def clip_gradients_norm(
@@ -162,7 +175,7 @@ class ZeroStrategy(ScratchFabricStrategy):
         assert self.engine is not None
         self._prepare(optimizer)
         self.precision.unscale_gradients(optimizer)
-        norm = self.engine.clip_grad_norm_(float(max_norm))
+        norm = self.engine.clip_grad_norm_(float(max_norm), optimizer)
         if error_if_nonfinite and not math.isfinite(float(norm)):
             raise RuntimeError(
                 f"The total norm of gradients is non-finite ({float(norm)}), so it cannot be clipped: pass"
@@ -171,13 +184,16 @@ class ZeroStrategy(ScratchFabricStrategy):
         return norm
 
     # ------------------------------------------------------------ checkpoints
-    def _checkpointer(self) -> ZeroCheckpointer:
+    def _checkpointer(self, optimizers: list[Optimizer] | None = None) -> ZeroCheckpointer:
+        """The checkpointer of the module set up; ``optimizers``: a state's, in the checkpoint's order (those the
+        engine shards)."""
         if self._module is None:
             raise RuntimeError(f"{self.strategy_name} saves and loads the module it set up: fabric.setup(model) first")
-        return ZeroCheckpointer(self._module, self.engine, sharded=self.state_dict_type == "sharded")
+        order = None if optimizers is None else [o for o in optimizers if self._is_engines(o)]
+        return ZeroCheckpointer(self._module, self.engine, sharded=self.state_dict_type == "sharded", order=order)
 
     def _is_engines(self, optimizer: Optimizer) -> bool:
-        return self.engine is not None and getattr(self.engine, "optimizer", None) is optimizer
+        return self.engine is not None and any(opt is optimizer for opt in self.engine.optimizers)
 
     @override
     def get_module_state_dict(self, module: nn.Module) -> dict[str, Any]:
@@ -187,24 +203,29 @@ class ZeroStrategy(ScratchFabricStrategy):
     @override
     def get_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """The sharded optimizer: this rank's shards (sharded) or the unsharded format gathered on rank 0 (full)."""
-        return self._checkpointer().optimizer_state() if self._is_engines(optimizer) else optimizer.state_dict()
+        if not self._is_engines(optimizer):
+            return optimizer.state_dict()
+        checkpointer = self._checkpointer()
+        return checkpointer.optimizer_state(checkpointer.index(optimizer))
 
     @override
-    def _write_checkpoint(self, path: Any, checkpoint: dict[str, Any], storage_options: Any, filtered: bool) -> None:
-        checkpointer = self._checkpointer()
+    def _write_checkpoint(
+        self, path: Any, checkpoint: dict[str, Any], storage_options: Any, filtered: bool, optimizers: list[Optimizer]
+    ) -> None:
+        checkpointer = self._checkpointer(optimizers)
         if filtered and checkpointer.sharded:
             raise ValueError(
                 f"fabric.save(filter=...) writes full checkpoints only: {self.strategy_name} has"
                 " state_dict_type='sharded'; pass state_dict_type='full' to filter"
             )
         write_full = super()._write_checkpoint
-        checkpointer.save(checkpoint, path, lambda full: write_full(path, full, storage_options, filtered))
+        checkpointer.save(checkpoint, path, lambda full: write_full(path, full, storage_options, filtered, optimizers))
 
     @override
     def _read_checkpoint(
-        self, path: Any, read_full: Callable[[Any], dict[str, Any]]
+        self, path: Any, read_full: Callable[[Any], dict[str, Any]], optimizers: list[Optimizer]
     ) -> tuple[dict[str, Any], bool, bool]:
-        checkpointer = self._checkpointer()
+        checkpointer = self._checkpointer(optimizers)
         checkpoint, model_loaded = checkpointer.load(path, read_full)
         return checkpoint, model_loaded, checkpointer.has_optimizer
 
@@ -227,6 +248,7 @@ class ZeroStrategy(ScratchFabricStrategy):
     def _load_optimizer_state(self, optimizer: Optimizer, state: dict[str, Any]) -> None:
         if not self._is_engines(optimizer):
             return super()._load_optimizer_state(optimizer, state)
-        self._checkpointer().load_optimizer(state)
+        checkpointer = self._checkpointer()
+        checkpointer.load_optimizer(state, checkpointer.index(optimizer))
         if isinstance(self.engine, ShardedOptimizer):
             self.engine.sync_after_load()  # fabric.load_raw: the parameters follow masters loaded with the state

@@ -72,8 +72,7 @@ class SAM(ShardAware):
                     p.add_(p.grad * scale.to(p.grad.dtype))
         if self.sharding is not None:
             self.sharding.params_changed()
-            self.sharding.zero_grad()
-        self.zero_grad()
+        self.zero_grad()  # under ZeRO it restarts the engine's window too ([Note: zero_grad reaches the engine])
         torch.enable_grad()(closure)()  # the gradient at w + e
         for p, w in weights:
             p.copy_(w)

@@ -378,6 +378,16 @@ class ScratchParallelStrategy(DistributedPlumbing, ParallelStrategy):
         """What the gradient engine does on a non-boundary micro-batch (subclasses: skip communication)."""
         return nullcontext()
 
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        with self._engine_backward():
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    def _engine_backward(self) -> AbstractContextManager:
+        """What the gradient engine wraps each backward in (subclasses whose optimizers step stand-ins of the module's
+        parameters: [Note: toggled-off optimizers] in ``lightning_zero/optim/sharding.py``)."""
+        return nullcontext()
+
     # ------------------------------------------------------------ checkpoints
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:

@@ -127,6 +127,11 @@ class ScratchDDPStrategy(ScratchParallelStrategy):
         """Non-boundary micro-batches: accumulate locally, communicate nothing."""
         return self.reducer.no_sync() if self.reducer is not None else nullcontext()
 
+    @override
+    def _engine_backward(self) -> AbstractContextManager:
+        """With master weights: the parameters of toggled-off optimizers off (their masters are what is toggled)."""
+        return self._engine.toggled_off() if self._engine is not None else nullcontext()
+
     # ------------------------------------------------------------ master weights
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:

@@ -98,7 +98,7 @@ class SliceState:
         if isinstance(engine, ShardedParams):
             state = sp_state.optimizer_state_dict(engine, sharded=False)
         else:
-            state = stage12_state.full_state_dict(engine) if engine is not None else optimizer.state_dict()
+            state = stage12_state.full_state_dict(engine.shards(0)) if engine is not None else optimizer.state_dict()
         if not sharded:
             return self._map(params, state, gather)
         return rekey_optimizer_state(self._map(params, state, as_dtensor), dict(enumerate(self._names(params))))
@@ -165,7 +165,7 @@ class SliceState:
         if isinstance(self.engine, ShardedParams):
             sp_state.load_optimizer_state_dict(self.engine, sliced, sliced["param_groups"])
         elif self.engine is not None:
-            stage12_state.load_full_state_dict(self.engine, sliced)  # each rank keeps its ZeRO shard of it
+            stage12_state.load_full_state_dict(self.engine.shards(0), sliced)  # each rank keeps its ZeRO shard of it
         else:
             optimizer.load_state_dict(sliced)
 

@@ -38,6 +38,7 @@ import torch
 from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.callbacks import BaseFinetuning, StochasticWeightAveraging, WeightAveraging
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
@@ -275,7 +276,6 @@ class ZeroStrategy(ScratchParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self._check_callbacks(trainer)
             self.setup_optimizers(trainer)
-            self._check_one_optimizer()
             _optimizers_to_device(self.optimizers, self.root_device)
             self._engine = self._build_stage12()
             self._record_trainable()
@@ -291,7 +291,7 @@ class ZeroStrategy(ScratchParallelStrategy):
             self.settings,
             self.precision_policy,
             self.model,
-            self.optimizers[0],
+            self.optimizers,
             find_unused_parameters=self.find_unused_parameters,
         )
 
@@ -321,8 +321,7 @@ class ZeroStrategy(ScratchParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self._check_callbacks(trainer)
             self.setup_optimizers(trainer)
-            self._check_one_optimizer()
-            self._params.attach_optimizer(self.optimizers[0])
+            self._params.attach_optimizers(self.optimizers)
             self._first_loss_unchecked = True
             self._record_trainable()
             _optimizers_to_device(self.optimizers, self.root_device)
@@ -352,13 +351,6 @@ class ZeroStrategy(ScratchParallelStrategy):
                     " ([Note: gradients in the hooks] in lightning_zero/zero/grad_hooks.py)."
                 )
 
-    def _check_one_optimizer(self) -> None:
-        if len(self.optimizers) != 1:
-            raise ValueError(
-                f"ZeRO shards one optimizer: configure_optimizers returned {len(self.optimizers)}; combine them"
-                " into one optimizer with several param groups"
-            )
-
     def grad_norms(self, norm_type: float) -> dict[str, Tensor]:
         """The norm of each parameter's averaged gradient, by name, for the parameters that would have a ``p.grad``
         under ``ddp`` (see :func:`lightning_zero.grad_norm`). Collective."""
@@ -372,12 +364,21 @@ class ZeroStrategy(ScratchParallelStrategy):
 
     def _clip_grad_by_global_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         assert self.engine is not None
-        self.engine.clip_grad_norm_(float(clip_val))
+        if isinstance(optimizer, LightningOptimizer):  # self.clip_gradients(opt) in manual optimization
+            optimizer = optimizer.optimizer
+        self.engine.clip_grad_norm_(float(clip_val), optimizer)
 
     @override
     def _engine_no_sync(self) -> AbstractContextManager:
         """Non-boundary micro-batches: no communication with ``grad_sync="boundary"``; reduce anyway otherwise."""
         return self.settings.no_sync(self.engine)
+
+    @override
+    def _engine_backward(self) -> AbstractContextManager:
+        """Stages 1 and 2: the module parameters of toggled-off optimizers off (stage 3 drops their fresh gradients
+        in its hook)."""
+        engine = self.engine
+        return engine.toggled_off() if isinstance(engine, ShardedOptimizer) else nullcontext()
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
@@ -392,11 +393,11 @@ class ZeroStrategy(ScratchParallelStrategy):
             if len(calls) > 1 and not isinstance(optimizer, ShardAware):
                 raise RuntimeError(_CLOSURE_TWICE.format(type(optimizer).__name__, self.strategy_name))
             output = closure()
-            engine.before_step()
+            engine.before_step(optimizer)
             return output
 
         output = super().optimizer_step(optimizer, closure_then_hold, model, **kwargs)
-        engine.after_step()  # stages 1 and 2 all-gather the updated shards; stage 3 gathers on the next forward
+        engine.after_step(optimizer)  # stages 1 and 2 all-gather the updated shards; stage 3 gathers on next forward
         return output
 
     @override
@@ -501,7 +502,9 @@ class ZeroStrategy(ScratchParallelStrategy):
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """This rank's share of the optimizer state (collective: Lightning calls it on every rank when saving)."""
         checkpointer = self._checkpointer()
-        return checkpointer.optimizer_state() if checkpointer.has_optimizer else super().optimizer_state(optimizer)
+        if not checkpointer.has_optimizer:
+            return super().optimizer_state(optimizer)
+        return checkpointer.optimizer_state(checkpointer.index(optimizer))
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:

@@ -77,6 +77,14 @@ def _elementwise(value: Any, numel: int) -> bool:
     return isinstance(value, Tensor) and value.ndim == 1 and value.numel() == numel
 
 
+def per_optimizer(info: dict[str, Any]) -> list[dict[str, Any]]:
+    """[Note: checkpoint info] of each optimizer on its own: ``param_groups`` cut by ``groups_per_optimizer`` (a
+    checkpoint without it has one optimizer)."""
+    counts = info.get("groups_per_optimizer", [len(info["param_groups"])])
+    starts = [sum(counts[:k]) for k in range(len(counts))]
+    return [{**info, "param_groups": info["param_groups"][a : a + n]} for a, n in zip(starts, counts)]
+
+
 def flat_groups(info: dict[str, Any]) -> list[list[str]]:
     """The trainable names of each param group in the order a stage-1/2 flat buffer lays them out (registration
     order)."""
@@ -131,8 +139,10 @@ def consolidate(src: str | Path) -> dict[str, Any]:
     checkpoint[MODEL] = tensors.get("model", {})
     hyperparameters = checkpoint.pop(PARAM_GROUPS, [])
     if hyperparameters:
-        state = tensors.get("optimizer_0", {}).get("state", {})
-        checkpoint[OPTIMIZERS] = [plain_optimizer_state(state, hyperparameters[0], info, checkpoint[MODEL])]
+        checkpoint[OPTIMIZERS] = [
+            plain_optimizer_state(tensors.get(f"optimizer_{k}", {}).get("state", {}), hyper, own, checkpoint[MODEL])
+            for k, (hyper, own) in enumerate(zip(hyperparameters, per_optimizer(info)))
+        ]
     checkpoint[INFO] = {**info, "sharded": False}
     return checkpoint
 
@@ -175,9 +185,10 @@ def convert(src: str | Path, dst: str | Path, stage: int) -> None:
     if optimizers:
         if "param_groups" not in info:
             raise CheckpointError(f"{src}: optimizer state without its parameter names (saved outside a fit)")
-        tensors["optimizer_0"] = {"state": _sharded_optimizer_state(optimizers[0], info, stage)}
+        for k, (plain, own) in enumerate(zip(optimizers, per_optimizer(info))):
+            tensors[f"optimizer_{k}"] = {"state": _sharded_optimizer_state(plain, own, stage)}
         checkpoint[PARAM_GROUPS] = [
-            [{k: v for k, v in g.items() if k != "params"} for g in optimizers[0]["param_groups"]]
+            [{k: v for k, v in g.items() if k != "params"} for g in plain["param_groups"]] for plain in optimizers
         ]
     checkpoint[INFO] = {**info, "stage": stage, "sharded": True}
     dst = Path(dst)

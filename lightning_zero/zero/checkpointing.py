@@ -5,8 +5,8 @@ one written by ``trainer.save_checkpoint`` loads with ``fabric.load`` under the 
 
 - ``"state_dict"``: the model's ``state_dict()`` (the module set up by the strategy; under the Trainer, the
   LightningModule).
-- ``"optimizer_states"``: a list with the optimizer's state in the format of the unsharded ``torch.optim`` optimizer
-  (ZeRO shards one optimizer, so one entry).
+- ``"optimizer_states"``: a list with each optimizer's state in the format of the unsharded ``torch.optim``
+  optimizer, in the order ``configure_optimizers`` returned them.
 - ``"lr_schedulers"``: a list of the schedulers' ``state_dict()`` (Fabric: the ``LRScheduler`` objects of the saved
   state, in its order).
 - anything else under its own key: the Trainer's loops, callbacks and hyper-parameters; Fabric's other state
@@ -19,7 +19,8 @@ per-element state under ``optimizer_0.`` go to DCP, each rank writing what it ow
 the optimizer's ``param_groups`` as ``"optimizer_param_groups"``. Either kind loads at any world size.
 
 [Note: checkpoint info] Both kinds also carry ``"lightning_zero"`` (:meth:`ZeroCheckpointer.info`): the stage, the
-world size and shard size it was written at, the parameter names of each optimizer param group in the user's order,
+world size and shard size it was written at, the parameter names of each optimizer param group in the user's order
+(``param_groups``: the groups of every optimizer, one after the other; ``groups_per_optimizer``: how many each has),
 and the trainable parameters in registration order (a stage-1/2 flat group lays its trainable parameters out in that
 order). With these, ``lightning-zero-ckpt`` (:mod:`lightning_zero.tools.ckpt`) reads and converts a checkpoint
 offline, without the model's code or any process: a sharded optimizer state is keyed by parameter name (stage 3) or
@@ -29,10 +30,11 @@ entry again.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from lightning_zero.comm import collectives as comm
@@ -77,18 +79,34 @@ class ZeroCheckpointer:
     """Model and optimizer state of ``module`` under ``engine`` (``None``: stages 1 and 2 before or outside a fit,
     when the model is whole and no optimizer is sharded), full or sharded per ``sharded``.
 
-    Every method is collective: each rank calls it, in the same order.
+    ``order``: the engine's optimizers in the order of the checkpoint's ``"optimizer_states"`` (default: the
+    engine's own, which is the Trainer's; Fabric's is the order of its ``state`` dict). Every method is collective:
+    each rank calls it, in the same order.
     """
 
-    def __init__(self, module: nn.Module, engine: ShardedOptimizer | ShardedParams | None, sharded: bool) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        engine: ShardedOptimizer | ShardedParams | None,
+        sharded: bool,
+        order: Sequence[torch.optim.Optimizer] | None = None,
+    ) -> None:
         self.module, self.engine, self.sharded = module, engine, sharded
         self.params = engine if isinstance(engine, ShardedParams) else None
+        sharded_optimizers = engine.optimizers if engine is not None else []
+        self.order = list(range(len(sharded_optimizers))) if order is None else [self.index(o) for o in order]
+
+    def index(self, optimizer: torch.optim.Optimizer) -> int:
+        """``optimizer``'s position among the engine's optimizers."""
+        optimizers = self.engine.optimizers if self.engine is not None else []
+        k = next((k for k, opt in enumerate(optimizers) if opt is optimizer), None)
+        if k is None:
+            raise ValueError(f"{type(optimizer).__name__} is not an optimizer this ZeRO engine shards")
+        return k
 
     @property
     def has_optimizer(self) -> bool:
-        return isinstance(self.engine, ShardedOptimizer) or (
-            self.params is not None and self.params.optimizer is not None
-        )
+        return bool(self.order)
 
     # ------------------------------------------------------------ saving
     def info(self) -> dict[str, Any]:
@@ -100,14 +118,17 @@ class ZeroCheckpointer:
         out: dict[str, Any] = {"format": INFO_FORMAT, "world_size": comm.world_size(), "sharded": self.sharded}
         out["trainable"] = [name for name, p in named if p.requires_grad]
         if self.params is not None:
-            groups = self.params.original_groups
+            groups_of = self.params.original_groups_of
             out.update(stage=3, shard_size=self.params.world_size)
         elif isinstance(self.engine, ShardedOptimizer):
-            groups = [g.original_params for g in self.engine.groups]
+            shards = [self.engine.shards(k) for k in range(len(self.engine.optimizers))]
+            groups_of = [[g.original_params for g in part.groups] for part in shards]
             out.update(stage=self.engine.stage, shard_size=self.engine.world_size)
         else:
             return out
-        out["param_groups"] = [[names[id(p)] for p in group] for group in groups]
+        ordered = [groups_of[k] for k in self.order]
+        out["param_groups"] = [[names[id(p)] for p in group] for groups in ordered for group in groups]
+        out["groups_per_optimizer"] = [len(groups) for groups in ordered]
         return out
 
     def model_state(self) -> dict[str, Any]:
@@ -116,12 +137,13 @@ class ZeroCheckpointer:
             return self.module.state_dict()
         return sp_state.model_state_dict(self.params, sharded=self.sharded)
 
-    def optimizer_state(self) -> dict[str, Any]:
-        """This rank's share of the optimizer state (full: rank 0 holds all of it, in the unsharded format)."""
+    def optimizer_state(self, k: int = 0) -> dict[str, Any]:
+        """This rank's share of optimizer ``k``'s state (full: rank 0 holds all of it, in the unsharded format)."""
         if self.params is not None:
-            return sp_state.optimizer_state_dict(self.params, sharded=self.sharded)
+            return sp_state.optimizer_state_dict(self.params, sharded=self.sharded, k=k)
         assert isinstance(self.engine, ShardedOptimizer)
-        return so_state.sharded_state_dict(self.engine) if self.sharded else so_state.full_state_dict(self.engine)
+        shards = self.engine.shards(k)
+        return so_state.sharded_state_dict(shards) if self.sharded else so_state.full_state_dict(shards)
 
     def save(self, checkpoint: dict[str, Any], path: str | Path, write_full: Callable[[dict[str, Any]], None]) -> None:
         """Write ``checkpoint`` (the layout above): a DCP directory, or through ``write_full`` (rank 0's file)."""
@@ -144,9 +166,9 @@ class ZeroCheckpointer:
                 checkpoint = read_full(path)
             check_format(path, checkpoint.pop(INFO, None) or {}, INFO_FORMAT)
             check_shapes(path, shapes_of(checkpoint.get(MODEL, {})), self._model_shapes())
-            optimizer_state = (checkpoint.get(OPTIMIZERS) or [None])[0]
-            if self.has_optimizer and optimizer_state:
-                self.load_optimizer(optimizer_state)
+            for k, optimizer_state in zip(self.order, checkpoint.get(OPTIMIZERS) or []):
+                if optimizer_state:
+                    self.load_optimizer(optimizer_state, k)
             return checkpoint, False  # the front end loads the model, with its strictness, through load_model
         metadata, checkpoint = read_metadata(path), read_meta(path)
         info = checkpoint.pop(INFO, {})
@@ -158,28 +180,30 @@ class ZeroCheckpointer:
         saved = {k[len("model.") :]: v for k, v in metadata.state_dict_metadata.items() if k.startswith("model.")}
         check_shapes(path, {k: v.size for k, v in saved.items() if hasattr(v, "size")}, self._model_shapes())
         tensors: dict[str, Any] = {"model": model_state}
-        if self.has_optimizer and any(fqn.startswith("optimizer_0.") for fqn in metadata.state_dict_metadata):
-            tensors["optimizer_0"] = (
-                sp_state.optimizer_template(self.params, metadata, "optimizer_0")
-                if self.params is not None
-                else so_state.sharded_template(self.engine, metadata, "optimizer_0")
-            )
+        for i, k in enumerate(self.order):
+            prefix = f"optimizer_{i}"
+            if any(fqn.startswith(f"{prefix}.") for fqn in metadata.state_dict_metadata):
+                tensors[prefix] = (
+                    sp_state.optimizer_template(self.params, metadata, prefix)
+                    if self.params is not None
+                    else so_state.sharded_template(self.engine.shards(k), metadata, prefix)
+                )
         load_tensors(path, tensors)
         param_groups = checkpoint.pop(PARAM_GROUPS, [])
         if self.params is not None:
             sp_state.load_model_state_dict(self.params, model_state)
         checkpoint[MODEL] = model_state
-        checkpoint[OPTIMIZERS] = []
-        if param_groups:
-            # A stateless optimizer (SGD without momentum) saves no tensor, but its hyper-parameters (the LR a
-            # scheduler has moved) are in meta.pt and must come back all the same.
-            checkpoint[OPTIMIZERS] = [{**tensors.get("optimizer_0", {"state": {}}), "param_groups": param_groups[0]}]
-        if self.has_optimizer and param_groups:
-            state = checkpoint[OPTIMIZERS][0]
+        # A stateless optimizer (SGD without momentum) saves no tensor, but its hyper-parameters (the LR a scheduler
+        # has moved) are in meta.pt and must come back all the same.
+        checkpoint[OPTIMIZERS] = [
+            {**tensors.get(f"optimizer_{i}", {"state": {}}), "param_groups": groups}
+            for i, groups in enumerate(param_groups)
+        ]
+        for k, state in zip(self.order, checkpoint[OPTIMIZERS]):
             if self.params is not None:
-                sp_state.load_optimizer_state_dict(self.params, state, param_groups[0])
+                sp_state.load_optimizer_state_dict(self.params, state, state["param_groups"], k)
             else:
-                so_state.load_sharded_state_dict(self.engine, state, param_groups[0])
+                so_state.load_sharded_state_dict(self.engine.shards(k), state, state["param_groups"])
         if isinstance(self.engine, ShardedOptimizer):
             self.engine.sync_after_load()  # master shards and parameters agree again
         return checkpoint, True
@@ -212,12 +236,12 @@ class ZeroCheckpointer:
                 " (state_dict_type='full'), which any stage reads"
             )
 
-    def load_optimizer(self, state: dict[str, Any]) -> None:
-        """An optimizer state in the unsharded optimizer's format (any world size) into the shards."""
+    def load_optimizer(self, state: dict[str, Any], k: int = 0) -> None:
+        """Optimizer ``k``'s state in the unsharded optimizer's format (any world size) into the shards."""
         if self.params is not None:
-            sp_state.load_optimizer_state_dict(self.params, state, state["param_groups"])
+            sp_state.load_optimizer_state_dict(self.params, state, state["param_groups"], k)
         else:
-            so_state.load_full_state_dict(self.engine, state)
+            so_state.load_full_state_dict(self.engine.shards(k), state)
 
     def load_model(self, state_dict: dict[str, Any], strict: bool = True) -> None:
         """A full model state into the model (stage 3: into the shards), as ``nn.Module.load_state_dict`` would."""

@@ -7,6 +7,7 @@ take the same arguments; :meth:`ZeroSettings.check` raises one error naming the 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass
 from datetime import timedelta
@@ -165,7 +166,7 @@ def build_stage12(
     settings: ZeroSettings,
     policy: PrecisionPolicy,
     module: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
     *,
     find_unused_parameters: bool,
     groups: ShardingGroups | None = None,

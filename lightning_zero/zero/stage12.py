@@ -59,7 +59,10 @@ the part inside its shard. ``grad_reduction`` chooses how the bucket is averaged
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
+from contextlib import AbstractContextManager
+from functools import partial
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -68,7 +71,7 @@ from torch import Tensor, nn
 from lightning_zero.comm import collectives as comm
 from lightning_zero.comm.bucketing import assign_buckets
 from lightning_zero.dp.reducer import GradBucket, GradientReducer
-from lightning_zero.optim.sharding import ShardAware, Sharding
+from lightning_zero.optim.sharding import ShardAware, Sharding, restart_on_zero_grad, toggled_off
 from lightning_zero.zero.grad_norm import clip_grad_norm_, total_grad_norm
 from lightning_zero.zero.partition import FlatLayout, check_elementwise, flat_layout
 from lightning_zero.zero.unused import HeldPieces, ParamPieces, param_pieces
@@ -81,8 +84,18 @@ def check_in_optimizer(missing: list[str]) -> None:
     """Raise if trainable parameters (``missing``, by name) are in no optimizer param group."""
     if missing:
         raise ValueError(
-            f"trainable parameters {missing} are in no optimizer param group: ZeRO shards the optimizer, so add"
-            " them to a group or freeze them (requires_grad=False)"
+            f"trainable parameters {missing} are in no optimizer param group: ZeRO shards the optimizers, so add"
+            " them to a group or freeze them (requires_grad=False); under Fabric, set up all of the model's"
+            " optimizers together: fabric.setup(model, optimizer_1, optimizer_2)"
+        )
+
+
+def check_disjoint(repeated: list[str]) -> None:
+    """Raise if parameters (``repeated``, by name) are in more than one param group or optimizer."""
+    if repeated:
+        raise ValueError(
+            f"parameters {repeated} are in more than one param group or optimizer: ZeRO shards each parameter's"
+            " optimizer state once, so give each parameter to one optimizer"
         )
 
 
@@ -139,6 +152,8 @@ class _FlatGroup:
         gather_dtype: torch.dtype | None = None,
         master_dtype: torch.dtype | None = None,
         accum_dtype: torch.dtype | None = None,
+        optimizer_index: int = 0,
+        key: int = 0,
     ) -> None:
         if not params:
             raise ValueError(f"param group {index} has no trainable parameters: drop the group or unfreeze some")
@@ -148,7 +163,8 @@ class _FlatGroup:
                 f"param group {index} mixes dtypes/devices {sorted(map(str, dtypes))}: ZeRO flattens a group into one"
                 " buffer, so split the group by dtype"
             )
-        self.index = index
+        self.index = index  # in its optimizer's param groups
+        self.optimizer_index, self.key = optimizer_index, key  # which optimizer; its position among all flat groups
         self.params = params
         self.names = names
         self.layout: FlatLayout = flat_layout([p.numel() for p in params], world_size)
@@ -225,7 +241,7 @@ class ShardedOptimizer:
     def __init__(
         self,
         module: nn.Module,
-        optimizer: torch.optim.Optimizer,
+        optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
         *,
         stage: int,
         grad_sync: str | None = None,
@@ -247,9 +263,11 @@ class ShardedOptimizer:
         grad_sync = grad_sync or ("boundary" if stage == 1 else "microbatch")
         if grad_sync not in GRAD_SYNC_MODES:
             raise ValueError(f"grad_sync={grad_sync!r} is invalid: expected one of {GRAD_SYNC_MODES}")
-        check_elementwise(optimizer, elementwise_optimizers)
-        initial = set_aside_state(optimizer)
-        self.stage, self.grad_sync, self.group, self.optimizer = stage, grad_sync, group, optimizer
+        optimizers = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
+        for opt in optimizers:
+            check_elementwise(opt, elementwise_optimizers)
+        initial = [set_aside_state(opt) for opt in optimizers]
+        self.stage, self.grad_sync, self.group, self.optimizers = stage, grad_sync, group, optimizers
         self.persistent = stage == 1 and grad_sync == "boundary"
         self.replicate_group = replicate_group
         self.grad_reduction = self._resolve_reduction(grad_reduction)
@@ -258,28 +276,34 @@ class ShardedOptimizer:
         order = {id(p): i for i, p in enumerate(module.parameters())}
         names = {id(p): name for name, p in module.named_parameters()}
         seen: set[int] = set()
-        self.groups: list[_FlatGroup] = []
-        for index, param_group in enumerate(optimizer.param_groups):
-            unknown = [p for p in param_group["params"] if id(p) not in order]
-            if unknown:
-                raise ValueError(f"param group {index} holds {len(unknown)} tensor(s) that are not module parameters")
-            # Registration order, so that reverse-order buckets are contiguous ranges of the flat buffer.
-            params = sorted((p for p in param_group["params"] if p.requires_grad), key=lambda p: order[id(p)])
-            seen.update(id(p) for p in params)
-            flat_group = _FlatGroup(
-                index,
-                list(param_group["params"]),
-                params,
-                [names[id(p)] for p in params],
-                self.world_size,
-                self.rank,
-                cast_dtype,
-                gather_dtype,
-                master_dtype,
-                accum_dtype,
-            )
-            param_group["params"] = [flat_group.shard]
-            self.groups.append(flat_group)
+        self.groups: list[_FlatGroup] = []  # of every optimizer, in order
+        for k, opt in enumerate(optimizers):
+            for index, param_group in enumerate(opt.param_groups):
+                unknown = [p for p in param_group["params"] if id(p) not in order]
+                if unknown:
+                    raise ValueError(
+                        f"param group {index} holds {len(unknown)} tensor(s) that are not module parameters"
+                    )
+                # Registration order, so that reverse-order buckets are contiguous ranges of the flat buffer.
+                params = sorted((p for p in param_group["params"] if p.requires_grad), key=lambda p: order[id(p)])
+                check_disjoint([names[id(p)] for p in params if id(p) in seen])
+                seen.update(id(p) for p in params)
+                flat_group = _FlatGroup(
+                    index,
+                    list(param_group["params"]),
+                    params,
+                    [names[id(p)] for p in params],
+                    self.world_size,
+                    self.rank,
+                    cast_dtype,
+                    gather_dtype,
+                    master_dtype,
+                    accum_dtype,
+                    optimizer_index=k,
+                    key=len(self.groups),
+                )
+                param_group["params"] = [flat_group.shard]
+                self.groups.append(flat_group)
         check_in_optimizer([name for name, p in module.named_parameters() if p.requires_grad and id(p) not in seen])
         self.masters_loaded = False
         self.reduce_dtype = reduce_dtype
@@ -294,14 +318,16 @@ class ShardedOptimizer:
                     g.flat_grad = torch.zeros_like(g.flat, dtype=g.grad_dtype)
                 else:
                     g.shard_grad = torch.zeros_like(g.shard, dtype=g.grad_dtype)
-        self._held = HeldPieces(optimizer)
+        self._held = [HeldPieces(opt) for opt in optimizers]
         self._pieces = [param_pieces(g.names, g.shard, g.layout, self.rank) for g in self.groups]
-        if initial is not None:
-            from lightning_zero.zero.stage12_state import load_full_state_dict  # it imports this module
+        for k, (opt, state) in enumerate(zip(optimizers, initial)):
+            if state is not None:
+                from lightning_zero.zero.stage12_state import load_full_state_dict  # it imports this module
 
-            load_full_state_dict(self, initial)
-        if isinstance(optimizer, ShardAware):  # [Note: shard-aware optimizers] in lightning_zero/optim/sharding.py
-            optimizer.attach_sharding(Sharding(self.total_grad_norm, self._gather_params, self.restart_window))
+                load_full_state_dict(self.shards(k), state)
+            if isinstance(opt, ShardAware):  # [Note: shard-aware optimizers] in lightning_zero/optim/sharding.py
+                opt.attach_sharding(Sharding(partial(self.total_grad_norm, opt), partial(self._gather_params, opt)))
+            restart_on_zero_grad(opt, partial(self.restart_window, opt))  # [Note: zero_grad reaches the engine]
 
     def _resolve_reduction(self, grad_reduction: str) -> str:
         """``grad_reduction`` checked against the gradient storage, ``"auto"`` resolved ([Note: gradient
@@ -347,7 +373,7 @@ class ShardedOptimizer:
         layouts = assign_buckets(
             [p.numel() for _, p, _, _ in entries],
             [torch.empty((), dtype=g.grad_dtype).element_size() for _, _, g, _ in entries],
-            [g.index for _, _, g, _ in entries],
+            [g.key for _, _, g, _ in entries],
             bucket_cap_bytes,
         )
         buckets, self._bucket_range = [], {}
@@ -379,6 +405,7 @@ class ShardedOptimizer:
             group=self.group if self.replicate_group is None else None,  # hybrid: the average over every rank
             reduce_dtype=reduce_dtype,
             reduce_bucket=self._reduce_to_owners if self.grad_reduction == "reduce_scatter" else None,
+            ignored=lambda p: not where[id(p)][0].shard.requires_grad,  # [Note: toggled-off optimizers]
         )
 
     def _on_bucket_reduced(self, bucket: GradBucket) -> None:
@@ -416,36 +443,66 @@ class ShardedOptimizer:
         persistent += [t for g in self.groups for t in (g.flat_grad, g.shard_grad) if t is not None]
         return persistent + (self.reducer.buffers if self.reducer is not None else [])
 
-    def clip_grad_norm_(self, max_norm: float) -> Tensor:
-        """Scale the shard gradients so the *global* gradient norm is at most ``max_norm``; return that norm."""
-        return clip_grad_norm_(self.param_pieces, max_norm, **self._norm_arguments())
+    def toggled_off(self) -> AbstractContextManager:
+        """Backward with the module parameters of toggled-off optimizers off ([Note: toggled-off optimizers] in
+        ``lightning_zero/optim/sharding.py``)."""
+        return toggled_off((p, g.shard) for g in self.groups for p in g.params)
 
-    def total_grad_norm(self) -> Tensor:
-        """The 2-norm of the whole averaged gradient, as ``get_total_norm`` of the gradients under ``ddp``
-        (collective)."""
-        return total_grad_norm(self.param_pieces, **self._norm_arguments())
+    # Per optimizer: ``optimizer=None`` means every optimizer's groups.
+    def _groups_of(self, optimizer: torch.optim.Optimizer | None) -> list[_FlatGroup]:
+        if optimizer is None:
+            return self.groups
+        k = next((k for k, opt in enumerate(self.optimizers) if opt is optimizer), None)
+        if k is None:
+            raise ValueError(f"{type(optimizer).__name__} is not an optimizer this ZeRO engine shards")
+        return [g for g in self.groups if g.optimizer_index == k]
 
-    def _norm_arguments(self) -> dict:
-        order = [name for g in self.groups for name in g.names_in_group_order]
+    def shards(self, k: int) -> OptimizerShards:
+        """Optimizer ``k``'s part of the engine (what its state dicts are made of)."""
+        return OptimizerShards(self, k)
+
+    def clip_grad_norm_(self, max_norm: float, optimizer: torch.optim.Optimizer | None = None) -> Tensor:
+        """Scale the shard gradients (of ``optimizer``'s parameters) so the *global* gradient norm is at most
+        ``max_norm``; return that norm."""
+        groups = self._groups_of(optimizer)
+        return clip_grad_norm_(self._pieces_of(groups), max_norm, **self._norm_arguments(groups))
+
+    def total_grad_norm(self, optimizer: torch.optim.Optimizer | None = None) -> Tensor:
+        """The 2-norm of the whole averaged gradient (of ``optimizer``'s parameters), as ``get_total_norm`` of the
+        gradients under ``ddp`` (collective)."""
+        groups = self._groups_of(optimizer)
+        return total_grad_norm(self._pieces_of(groups), **self._norm_arguments(groups))
+
+    def _norm_arguments(self, groups: list[_FlatGroup]) -> dict:
+        order = [name for g in groups for name in g.names_in_group_order]
         device = self.groups[0].flat.device
         return {"order": order, "unused": self.unused_everywhere, "group": self.group, "device": device}
 
-    def restart_window(self) -> None:
-        """Drop the gradients of this accumulation window (``zero_grad`` under ``ddp``): the next backward starts
-        afresh. Stage 1's full gradient is kept bound to the parameters between backward passes otherwise."""
-        if self.reducer is not None:
-            self.reducer.end_window()
-        for g in self.groups:
+    def restart_window(self, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Drop the gradients of this accumulation window (of ``optimizer``'s parameters): what ``zero_grad`` does
+        under ``ddp``, wherever the engine keeps them (stage 1's full gradient behind ``p.grad``, a window's buckets
+        not yet reduced, the accumulator in ``accum_dtype``); the optimizer's ``zero_grad`` calls it ([Note:
+        zero_grad reaches the engine] in ``lightning_zero/optim/sharding.py``)."""
+        groups = self._groups_of(optimizer)
+        self._end_window(groups)
+        for g in groups:
             g.accumulating = False
             g.shard.grad = None
-            if self.persistent:
-                for p in g.params:
-                    p.grad = None
+            for p in g.params:
+                p.grad = None
+
+    def _end_window(self, groups: list[_FlatGroup]) -> None:
+        """The reducer's window of these groups' parameters ends (each optimizer has its own)."""
+        if self.reducer is not None:
+            self.reducer.end_window(self.reducer.indices_of(p for g in groups for p in g.params))
 
     @property
     def param_pieces(self) -> list[ParamPieces]:
         """Every trainable parameter with its pieces in this rank's shard."""
-        return [p for group in self._pieces for p in group]
+        return self._pieces_of(self.groups)
+
+    def _pieces_of(self, groups: list[_FlatGroup]) -> list[ParamPieces]:
+        return [p for g in groups for p in self._pieces[g.key]]
 
     @property
     def unused_everywhere(self) -> set[str]:
@@ -454,35 +511,39 @@ class ShardedOptimizer:
             return set(self._unused_given)
         return {self.reducer.names[i] for i in self.reducer.unused_everywhere}
 
-    def before_step(self) -> None:
-        """Between the last backward of a window and the optimizer's update (before unscaling and clipping): the
-        shard gradients stored in ``accum_dtype`` copied to the optimizer's dtype, and what no rank used held."""
-        for g in self.groups:
+    def before_step(self, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Between the last backward of a window and ``optimizer``'s update (before unscaling and clipping): the shard
+        gradients stored in ``accum_dtype`` copied to the optimizer's dtype, and what no rank used held."""
+        groups = self._groups_of(optimizer)
+        for g in groups:
             if g.casts_grad and g.accumulating:
                 grad = self._shard_of_flat_grad(g) if self.persistent else g.shard_grad
                 g.shard.grad = grad.to(g.shard.dtype)  # dropped again in after_step
                 g.accumulating = False
         if self.find_unused_parameters:
-            self._held.hold(self.param_pieces, self.unused_everywhere)
+            for k in sorted({g.optimizer_index for g in groups}):
+                pieces = self._pieces_of([g for g in groups if g.optimizer_index == k])
+                self._held[k].hold(pieces, self.unused_everywhere)
 
-    def after_step(self) -> None:
-        """Put held pieces back, all-gather the updated shards into the full parameters, end the window (and drop
-        stage 1's full local gradients and the shard gradients' copies of ``accum_dtype``)."""
-        self._held.restore()
-        if self.reducer is not None:
-            self.reducer.end_window()
-        for g in self.groups:
+    def after_step(self, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Put held pieces back, all-gather the updated shards (of ``optimizer``) into the full parameters, end the
+        window (and drop stage 1's full local gradients and the shard gradients' copies of ``accum_dtype``)."""
+        groups = self._groups_of(optimizer)
+        for k in sorted({g.optimizer_index for g in groups}):
+            self._held[k].restore()
+        self._end_window(groups)
+        for g in groups:
             g.accumulating = False
             if g.casts_grad:
                 g.shard.grad = None
-        self._gather_params()
+        self._gather_params(optimizer)
         if self.persistent:
-            for g in self.groups:
+            for g in groups:
                 for p in g.params:
                     p.grad = None
 
-    def _gather_params(self) -> None:
-        for g in self.groups:  # a master shard is rounded to the gather dtype on the way
+    def _gather_params(self, optimizer: torch.optim.Optimizer | None = None) -> None:
+        for g in self._groups_of(optimizer):  # a master shard is rounded to the gather dtype on the way
             comm.all_gather(g.flat, g.shard.detach(), group=self.group, tag="params", dtype=g.gather_dtype)
 
     def set_shard_grads(self, values: Tensor, unused: set[str] = frozenset()) -> None:
@@ -511,6 +572,8 @@ class ShardedOptimizer:
     def remove(self) -> None:
         if self.reducer is not None:
             self.reducer.remove()
+        for opt in self.optimizers:
+            restart_on_zero_grad(opt, None)
 
     def restore_masters(self) -> None:
         """After a fit: the module's parameters hold the master values in the dtype the module had (not the values
@@ -536,3 +599,25 @@ class ShardedOptimizer:
             if g.has_master and not self.masters_loaded:
                 g.shard.data.copy_(g.flat.narrow(0, g.start, g.end - g.start))
         self.masters_loaded = False
+
+
+class OptimizerShards:
+    """Optimizer ``index``'s part of a ZeRO-1/2 engine: its flat groups (numbered as its param groups) and the
+    optimizer, with the rest of the engine's attributes (``group``, ``rank``, ...) read through. The state dicts of
+    :mod:`lightning_zero.zero.stage12_state` are made of one such part each."""
+
+    def __init__(self, engine: ShardedOptimizer, index: int) -> None:
+        self.engine, self.index = engine, index
+        self.optimizer = engine.optimizers[index]
+        self.groups = [g for g in engine.groups if g.optimizer_index == index]
+
+    @property
+    def masters_loaded(self) -> bool:
+        return self.engine.masters_loaded
+
+    @masters_loaded.setter
+    def masters_loaded(self, value: bool) -> None:
+        self.engine.masters_loaded = value
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)

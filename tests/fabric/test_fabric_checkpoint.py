@@ -83,6 +83,14 @@ def _train(fabric: Fabric, steps: int, path: str | None = None, resume: str | No
     return {"weights": _weights(fabric, model), "lr": optimizer.param_groups[0]["lr"], "remainder": remainder}
 
 
+def straight_and_resumed(train, fabric: Fabric, path: str, steps: int = STEPS, saved_at: int = SAVED_AT) -> dict:
+    """``train(fabric, steps, path=, resume=)`` straight for ``steps``, and for ``saved_at`` steps saved to ``path``,
+    then loaded into a fresh setup and continued to ``steps``."""
+    straight = train(fabric, steps)
+    train(fabric, saved_at, path=path)
+    return {"straight": straight, "resumed": train(fabric, steps - saved_at, resume=path)}
+
+
 def _resume_every_strategy(directory: str) -> dict:
     out = {}
     fabric = Fabric(accelerator="cpu", devices=WORLD, strategy="ddp")
@@ -91,10 +99,7 @@ def _resume_every_strategy(directory: str) -> dict:
     for name, kind in CASES:
         fabric = Fabric(accelerator="cpu", devices=WORLD, strategy=_strategy(name, kind))
         fabric.launch()
-        path = f"{directory}/{name}-{kind}.ckpt"
-        straight = _train(fabric, STEPS)
-        _train(fabric, SAVED_AT, path=path)
-        out[name, kind] = {"straight": straight, "resumed": _train(fabric, STEPS - SAVED_AT, resume=path)}
+        out[name, kind] = straight_and_resumed(_train, fabric, f"{directory}/{name}-{kind}.ckpt")
     return out
 
 

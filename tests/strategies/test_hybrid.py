@@ -122,7 +122,10 @@ class _CaptureOptimizerState(L.Callback):
     def on_train_start(self, trainer, pl_module):
         engine = trainer.strategy.engine
         sharded_params = isinstance(engine, ShardedParams)
-        self.state = optimizer_state_dict(engine, sharded=False) if sharded_params else full_state_dict(engine)
+        if sharded_params:
+            self.state = optimizer_state_dict(engine, sharded=False)
+        else:
+            self.state = full_state_dict(engine.shards(0))
 
 
 def _checkpoints(stage: int, tmp: str) -> dict:
@@ -140,7 +143,7 @@ def _checkpoints(stage: int, tmp: str) -> dict:
         with engine.summon_full_params() if isinstance(engine, ShardedParams) else nullcontext():
             params = {k: v.detach().clone() for k, v in module.net.state_dict().items()}
         saved = capture.state if ckpt_path else None
-        at_end = optimizer_state_dict(engine, False) if stage == 3 else full_state_dict(engine)
+        at_end = optimizer_state_dict(engine, False) if stage == 3 else full_state_dict(engine.shards(0))
         return {"params": params, "state_at_start": saved, "state_at_end": at_end}
 
     straight = fit(2, _hybrid(stage))

@@ -203,13 +203,13 @@ def _fit_and_save(world_size: int, stage: int, ckpt: str, epochs: int, state_dic
         trainer.save_checkpoint(ckpt)
     return {
         "params": {k: v.detach().clone() for k, v in module.net.state_dict().items()},
-        "state": full_state_dict(trainer.strategy.engine),  # collective, after fit too
+        "state": full_state_dict(trainer.strategy.engine.shards(0)),  # collective, after fit too
     }
 
 
 class _CaptureOptimizerState(Callback):
     def on_train_start(self, trainer, pl_module):
-        self.state = full_state_dict(trainer.strategy.engine)
+        self.state = full_state_dict(trainer.strategy.engine.shards(0))
 
 
 def _resume(world_size: int, stage: int, ckpt: str) -> dict:
@@ -312,8 +312,8 @@ class _TwoOptimizers(ParityModule):
             optimizer.step()
             optimizer.zero_grad()
 
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.net[0].parameters(), lr=0.1), torch.optim.SGD(self.net[3].parameters(), lr=0.1)
+    def configure_optimizers(self):  # the first layer in both: ZeRO shards each parameter's state once
+        return torch.optim.SGD(self.parameters(), lr=0.1), torch.optim.SGD(self.net[0].parameters(), lr=0.1)
 
 
 class _LBFGS(ParityModule):
@@ -339,11 +339,11 @@ def _bad_fit(case: str, ckpt: str) -> str:
 
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("state_dict_type", ["sharded", pytest.param("full", marks=SLOW)])
-def test_multiple_optimizers_lbfgs_and_mismatched_checkpoints_fail_clearly(tmp_path, state_dict_type):
+def test_a_parameter_in_two_optimizers_lbfgs_and_mismatched_checkpoints_fail_clearly(tmp_path, state_dict_type):
     ckpt = str(tmp_path / "one.ckpt")
     run_workers(_fit_and_save, 1, 1, 2, ckpt, 1, state_dict_type, timeout=150)
     cases = [("two_optimizers", ""), ("lbfgs", ""), ("shape", ckpt)]
     two, lbfgs, shape = (run_workers(_bad_fit, 1, case, path)[0] for case, path in cases)
-    assert "ZeRO shards one optimizer: configure_optimizers returned 2" in two
+    assert "ValueError: parameters ['net.0.weight', 'net.0.bias'] are in more than one param group or optimizer" in two
     assert lbfgs.startswith("ValueError: LBFGS cannot be sharded by ZeRO: its step re-evaluates the closure")
     assert f"CheckpointError: checkpoint {ckpt} is of another model: tensor 'net.0.weight' has shape" in shape

@@ -128,7 +128,7 @@ class _CaptureLoaded(L.Callback):
             self.model, self.optimizer = model_state_dict(engine, sharded=False), optimizer_state_dict(engine, False)
         else:
             model = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}  # views of the flat params
-            self.model, self.optimizer = model, full_state_dict(engine)
+            self.model, self.optimizer = model, full_state_dict(engine.shards(0))
 
 
 def _resume(path: str, stage: int, model: str) -> dict:

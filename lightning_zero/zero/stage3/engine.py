@@ -57,7 +57,7 @@ the same order; gathers that repeat the previous pass's order need no exchange, 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from functools import partial
@@ -71,7 +71,7 @@ from lightning_zero.comm import collectives as comm
 from lightning_zero.comm import watchdog
 from lightning_zero.dp.reducer import dense_grad
 from lightning_zero.dp.unused import UsedParams, unused_error
-from lightning_zero.optim.sharding import ShardAware, Sharding
+from lightning_zero.optim.sharding import ShardAware, Sharding, restart_on_zero_grad
 from lightning_zero.zero.grad_norm import clip_grad_norm_, total_grad_norm
 from lightning_zero.zero.partition import check_elementwise
 from lightning_zero.zero.stage3.backward import (
@@ -89,7 +89,7 @@ from lightning_zero.zero.stage3.materialize import build_meta_modules, load_real
 from lightning_zero.zero.stage3.segments import Segment, Unit, UnitState
 from lightning_zero.zero.stage3.traffic import SegmentTraffic, gathers_per_step, step_nbytes
 from lightning_zero.zero.stage3.units import ROOT, plan_units, root_owners
-from lightning_zero.zero.stage12 import GRAD_SYNC_MODES, check_in_optimizer, set_aside_state
+from lightning_zero.zero.stage12 import GRAD_SYNC_MODES, check_disjoint, check_in_optimizer, set_aside_state
 from lightning_zero.zero.unused import HeldPieces, ParamPieces, param_pieces
 
 FROZEN, TRAINABLE = "frozen", "trainable"
@@ -178,8 +178,8 @@ class ShardedParams:
         self.weight_block_size, self.grad_block_size = weight_block_size, grad_block_size
         self.require_backward_grad_sync = True
         self.elementwise_optimizers = elementwise_optimizers
-        self.optimizer: torch.optim.Optimizer | None = None
-        self.original_groups: list[list[nn.Parameter]] = []
+        self.optimizers: list[torch.optim.Optimizer] = []
+        self.original_groups_of: list[list[list[nn.Parameter]]] = []  # per optimizer, as the user built them
         self._placeholders: dict[torch.dtype, Tensor] = {}
         self._where: dict[int, tuple[Unit, Segment, int]] = {}  # id(param) -> its unit, segment and index there
         self._names = {id(p): name for name, p in module.named_parameters()}
@@ -215,7 +215,7 @@ class ShardedParams:
         self._reduce_order = [u for u in reversed(self.units) if u.trainable]
         self._accumulators = {id(p): grad_accumulator(p) for u in self.units for p in u.trainable}
         self._next_reduce = 0
-        self._held: HeldPieces | None = None
+        self._held: list[HeldPieces] = []  # per optimizer
 
     @staticmethod
     def of(module: nn.Module) -> ShardedParams | None:
@@ -482,6 +482,10 @@ class ShardedParams:
         task = self._task()  # a model with a root unit only has no pre-backward hook
         unit, segment, i = self._where[id(p)]
         task.touched.add(unit.index)
+        if not segment.shard.requires_grad:  # its optimizer is toggled off (toggle_optimizer): as if not computed
+            p.grad = None
+            unit.arrived.add(id(p))
+            return self._maybe_complete(unit)
         if segment.grad_full is None:  # not zeroed: each gradient is copied in, gaps are zeroed before reducing
             segment.grad_full, segment.filled = self._take_grad_full(segment), [False] * len(segment.params)
         region = segment.grad_full.narrow(0, segment.layout.offsets[i], p.numel())
@@ -640,19 +644,26 @@ class ShardedParams:
     @property
     def param_pieces(self) -> list[ParamPieces]:
         """Every trainable parameter with its pieces in this rank's shard."""
-        trainable = [s for s in self.segments if s.key != FROZEN]
-        return [p for s in trainable for p in param_pieces(s.names, s.shard, s.layout, self.rank)]
+        return self._pieces_of(None)
 
-    def before_step(self) -> None:
-        """Between the last backward of a window and the optimizer's update: hold what no rank used."""
-        if self.find_unused_parameters and self._held is not None:
-            self._held.hold(self.param_pieces, self.unused_everywhere)
+    def _pieces_of(self, optimizer: torch.optim.Optimizer | None) -> list[ParamPieces]:
+        segments = self._segments_of(optimizer)
+        return [p for s in segments for p in param_pieces(s.names, s.shard, s.layout, self.rank)]
 
-    def after_step(self) -> None:
-        """After the optimizer's update: put held pieces back; the accumulation window ends."""
-        if self._held is not None:
-            self._held.restore()
-        self._used.end_window()
+    def before_step(self, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Between the last backward of a window and ``optimizer``'s update (``None``: every optimizer's): hold what
+        no rank used."""
+        if self.find_unused_parameters:
+            for k, opt in enumerate(self.optimizers):
+                if optimizer is None or opt is optimizer:
+                    self._held[k].hold(self._pieces_of(opt), self.unused_everywhere)
+
+    def after_step(self, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """After ``optimizer``'s update: put held pieces back; the accumulation window ends."""
+        for k, opt in enumerate(self.optimizers):
+            if optimizer is None or opt is optimizer:
+                self._held[k].restore()
+        self._used.end_window(p for s in self._segments_of(optimizer) for p in s.params)
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -665,33 +676,67 @@ class ShardedParams:
 
     # ------------------------------------------------------------ optimizer
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Rebuild ``optimizer`` (built over the module's parameters) in place over the shards; state it already holds
-        is sharded with it ([Note: state made before sharding] in ``lightning_zero/zero/stage12.py``)."""
-        check_elementwise(optimizer, self.elementwise_optimizers)
-        initial = set_aside_state(optimizer)
-        group_of = {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
-        unknown = [i for i in group_of if i not in self._names]
+        """:meth:`attach_optimizers` of one optimizer."""
+        self.attach_optimizers([optimizer])
+
+    def attach_optimizers(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        """Rebuild each optimizer (built over module parameters, each parameter in one of them) in place over the
+        shards; state one already holds is sharded with it ([Note: state made before sharding] in
+        ``lightning_zero/zero/stage12.py``). A segment holds the parameters of one param group of one optimizer."""
+        for optimizer in optimizers:
+            check_elementwise(optimizer, self.elementwise_optimizers)
+        initial = [set_aside_state(optimizer) for optimizer in optimizers]
+        key_of: dict[int, tuple[int, int]] = {}  # id(param) -> (optimizer, param group)
+        for k, optimizer in enumerate(optimizers):
+            for g, group in enumerate(optimizer.param_groups):
+                check_disjoint([self._names.get(id(p), "?") for p in group["params"] if id(p) in key_of])
+                key_of.update({id(p): (k, g) for p in group["params"]})
+        unknown = [i for i in key_of if i not in self._names]
         if unknown:
             raise ValueError(f"the optimizer holds {len(unknown)} tensor(s) that are not module parameters")
-        check_in_optimizer([n for n, p in self.module.named_parameters() if p.requires_grad and id(p) not in group_of])
+        check_in_optimizer([n for n, p in self.module.named_parameters() if p.requires_grad and id(p) not in key_of])
         for unit in self.units:
             params = unit.params
-            keys = [group_of[id(p)] if p.requires_grad else FROZEN for p in params]
+            keys = [key_of[id(p)] if p.requires_grad else FROZEN for p in params]
             if keys != [s.key for s in unit.segments for _ in s.params]:
                 self._resegment(unit, keys, params)
-        self.optimizer = optimizer
-        self._held = HeldPieces(optimizer)
-        self.original_groups = [list(group["params"]) for group in optimizer.param_groups]
-        for g, group in enumerate(optimizer.param_groups):
-            group["params"] = [s.shard for u in self.units for s in u.segments if s.key == g]
-            if not group["params"]:
-                raise ValueError(f"param group {g} has no trainable parameters: drop the group or unfreeze some")
-        if initial is not None:
-            from lightning_zero.zero.stage3.state import load_optimizer_state_dict  # it imports this module
+        self.optimizers = list(optimizers)
+        self._held = [HeldPieces(optimizer) for optimizer in optimizers]
+        self.original_groups_of = [[list(g["params"]) for g in optimizer.param_groups] for optimizer in optimizers]
+        for k, optimizer in enumerate(optimizers):
+            for g, group in enumerate(optimizer.param_groups):
+                group["params"] = [s.shard for u in self.units for s in u.segments if s.key == (k, g)]
+                if not group["params"]:
+                    raise ValueError(f"param group {g} has no trainable parameters: drop the group or unfreeze some")
+        for k, (optimizer, state) in enumerate(zip(optimizers, initial)):
+            if state is not None:
+                from lightning_zero.zero.stage3.state import load_optimizer_state_dict  # it imports this module
 
-            load_optimizer_state_dict(self, initial, initial["param_groups"])
-        if isinstance(optimizer, ShardAware):  # [Note: shard-aware optimizers] in lightning_zero/optim/sharding.py
-            optimizer.attach_sharding(Sharding(self.total_grad_norm, lambda: None, self.restart_window))
+                load_optimizer_state_dict(self, state, state["param_groups"], k)
+            if isinstance(optimizer, ShardAware):  # [Note: shard-aware optimizers] in lightning_zero/optim/sharding.py
+                optimizer.attach_sharding(Sharding(partial(self.total_grad_norm, optimizer), lambda: None))
+            restart_on_zero_grad(optimizer, partial(self.restart_window, optimizer))  # [Note: zero_grad reaches ...]
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        """The (first) optimizer attached, if any."""
+        return self.optimizers[0] if self.optimizers else None
+
+    @property
+    def original_groups(self) -> list[list[nn.Parameter]]:
+        """Every attached optimizer's param groups as the user built them, in order."""
+        return [group for groups in self.original_groups_of for group in groups]
+
+    def _index_of(self, optimizer: torch.optim.Optimizer) -> int:
+        k = next((k for k, opt in enumerate(self.optimizers) if opt is optimizer), None)
+        if k is None:
+            raise ValueError(f"{type(optimizer).__name__} is not an optimizer this ZeRO engine shards")
+        return k
+
+    def _segments_of(self, optimizer: torch.optim.Optimizer | None) -> list[Segment]:
+        """The trainable segments (of ``optimizer``; ``None``: of every optimizer)."""
+        k = None if optimizer is None else self._index_of(optimizer)
+        return [s for s in self.segments if s.key != FROZEN and (k is None or s.key[0] == k)]
 
     def _resegment(self, unit: Unit, keys: list[int | str], params: list[nn.Parameter]) -> None:
         """Re-lay ``unit`` with one segment per key (one unit gathered at a time)."""
@@ -739,28 +784,36 @@ class ShardedParams:
         persistent = [s.full for s in self.segments] + [s.grad_acc for s in self.segments if s.grad_acc is not None]
         return persistent + list(self._placeholders.values())
 
-    def clip_grad_norm_(self, max_norm: float) -> Tensor:
-        """Global-norm clipping over every rank's shard gradients (see ``clip_grad_norm_`` in sharded_optimizer)."""
-        return clip_grad_norm_(self.param_pieces, max_norm, **self._norm_arguments())
+    def clip_grad_norm_(self, max_norm: float, optimizer: torch.optim.Optimizer | None = None) -> Tensor:
+        """Global-norm clipping over every rank's shard gradients (of ``optimizer``'s parameters)."""
+        return clip_grad_norm_(self._pieces_of(optimizer), max_norm, **self._norm_arguments(optimizer))
 
-    def total_grad_norm(self) -> Tensor:
-        """The 2-norm of the whole averaged gradient, as ``get_total_norm`` of the gradients under ``ddp``
-        (collective)."""
-        return total_grad_norm(self.param_pieces, **self._norm_arguments())
+    def total_grad_norm(self, optimizer: torch.optim.Optimizer | None = None) -> Tensor:
+        """The 2-norm of the whole averaged gradient (of ``optimizer``'s parameters), as ``get_total_norm`` of the
+        gradients under ``ddp`` (collective)."""
+        return total_grad_norm(self._pieces_of(optimizer), **self._norm_arguments(optimizer))
 
-    def _norm_arguments(self) -> dict:
-        order = [self._names[id(p)] for group in self.original_groups for p in group if p.requires_grad]
+    def _norm_arguments(self, optimizer: torch.optim.Optimizer | None) -> dict:
+        groups = self.original_groups if optimizer is None else self.original_groups_of[self._index_of(optimizer)]
+        order = [self._names[id(p)] for group in groups for p in group if p.requires_grad]
         return {"order": order, "unused": self.unused_everywhere, "group": self.group, "device": self.device}
 
-    def restart_window(self) -> None:
-        """Drop the gradients of this accumulation window (``zero_grad`` under ``ddp``)."""
-        for s in self.segments:
-            s.shard.grad = None
+    def restart_window(self, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Drop the gradients of this accumulation window (of ``optimizer``'s parameters), as ``zero_grad`` does
+        under ``ddp``: the shard gradients, the unsharded ones ``grad_sync="boundary"`` keeps through a window, the
+        record of what was used; the optimizer's ``zero_grad`` calls it ([Note: zero_grad reaches the engine] in
+        ``lightning_zero/optim/sharding.py``)."""
+        segments = self._segments_of(optimizer)
+        for s in segments:
+            s.shard.grad = s.grad_full = None
+        self._used.end_window(p for s in segments for p in s.params)
 
     def remove(self) -> None:
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+        for optimizer in self.optimizers:
+            restart_on_zero_grad(optimizer, None)
 
     # ------------------------------------------------------------ outside a step
     # [Note: reading sharded parameters] Outside its unit's forward and backward a module parameter is a placeholder

@@ -157,10 +157,9 @@ def _elementwise(value: Any, shape: torch.Size) -> bool:
     return isinstance(value, Tensor) and value.ndim > 0 and value.shape == shape
 
 
-def optimizer_state_dict(engine: ShardedParams, sharded: bool) -> dict[str, Any]:
-    """The optimizer state per parameter (see [Note: stage-3 state dict layout]); collective."""
-    optimizer = engine.optimizer
-    assert optimizer is not None
+def optimizer_state_dict(engine: ShardedParams, sharded: bool, k: int = 0) -> dict[str, Any]:
+    """Optimizer ``k``'s state per parameter (see [Note: stage-3 state dict layout]); collective."""
+    optimizer = engine.optimizers[k]
     mesh = _mesh(engine) if sharded else None
     per_param: dict[int, dict[str, Any]] = {}
     for segment in engine.segments:
@@ -179,15 +178,15 @@ def optimizer_state_dict(engine: ShardedParams, sharded: bool) -> dict[str, Any]
     if sharded:
         names = {id(p): name for s in engine.segments for p, name in zip(s.params, s.names)}
         return {"state": {names[i]: e for i, e in per_param.items()}, "param_groups": hyper}
-    numbers = _numbering(engine)
-    state = {numbers[id(p)]: per_param[id(p)] for group in engine.original_groups for p in group if id(p) in per_param}
-    groups = [{**hp, "params": [numbers[id(p)] for p in group]} for hp, group in zip(hyper, engine.original_groups)]
+    numbers, original = _numbering(engine, k), engine.original_groups_of[k]
+    state = {numbers[id(p)]: per_param[id(p)] for group in original for p in group if id(p) in per_param}
+    groups = [{**hp, "params": [numbers[id(p)] for p in group]} for hp, group in zip(hyper, original)]
     return {"state": state if _keeps_full(engine) else {}, "param_groups": groups}
 
 
-def _numbering(engine: ShardedParams) -> dict[int, int]:
-    """The index of each parameter in the unsharded optimizer's state dict: its position across the groups."""
-    return {id(p): n for n, p in enumerate(p for group in engine.original_groups for p in group)}
+def _numbering(engine: ShardedParams, k: int) -> dict[int, int]:
+    """The index of each parameter in optimizer ``k``'s unsharded state dict: its position across the groups."""
+    return {id(p): n for n, p in enumerate(p for group in engine.original_groups_of[k] for p in group)}
 
 
 def optimizer_template(engine: ShardedParams, metadata: Metadata, prefix: str) -> dict[str, Any]:
@@ -211,12 +210,13 @@ def optimizer_template(engine: ShardedParams, metadata: Metadata, prefix: str) -
     return {"state": state}
 
 
-def load_optimizer_state_dict(engine: ShardedParams, state_dict: dict[str, Any], param_groups: list[dict]) -> None:
-    """Load a full (numbered) or sharded (named) optimizer state with ``param_groups``' hyper-parameters."""
-    optimizer = engine.optimizer
-    assert optimizer is not None
+def load_optimizer_state_dict(
+    engine: ShardedParams, state_dict: dict[str, Any], param_groups: list[dict], k: int = 0
+) -> None:
+    """Load a full (numbered) or sharded (named) state of optimizer ``k`` with ``param_groups``' hyper-parameters."""
+    optimizer = engine.optimizers[k]
     check_group_count(len(param_groups), len(optimizer.param_groups))
-    numbers = _numbering(engine)
+    numbers = _numbering(engine, k)
     index = {id(shard): i for i, shard in enumerate(p for g in optimizer.param_groups for p in g["params"])}
     sharded_state: dict[int, dict[str, Any]] = {}
     for segment in engine.segments:
