@@ -24,6 +24,8 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_zero.tools import ckpt
+from lightning_zero.zero.checkpointing import OPTIMIZERS
 from tests.helpers.equivalence import OURS, Recorder, make_strategy, max_diff, state_of
 from tests.helpers.parity import quiet_trainer
 from tests.helpers.workers import run_workers
@@ -176,6 +178,11 @@ def _gan(name: str, tmp: str) -> dict:
         resumed = GAN()
         trainer(3).fit(resumed, _loader(), ckpt_path=str(folder / "last.ckpt"))
         out[kind] = {"state": state_of(module), "steps": recorder.steps, "resumed": state_of(resumed)}
+    if name in ZERO and torch.distributed.get_rank() == 0:  # both kinds of the same step, read offline
+        full = torch.load(Path(tmp) / f"{name}full" / "last.ckpt", weights_only=False)[OPTIMIZERS]
+        converted = Path(tmp) / f"{name}converted"
+        ckpt.convert(Path(tmp) / f"{name}sharded" / "last.ckpt", converted, stage=3 if name != "zero3_scratch" else 1)
+        out["offline"] = {"full": full, "consolidated": ckpt.consolidate(converted)[OPTIMIZERS]}
     return out
 
 
@@ -222,6 +229,8 @@ def test_two_optimizers_under_manual_optimization_train_and_resume_as_under_ddp(
     for rank in range(WORLD):
         peer = fits[rank]["gan", "ddp"][""]
         for kind, ours in fits[rank]["gan", name].items():
+            if kind == "offline":
+                continue
             assert max_diff(ours["state"], peer["state"]) <= TOLERANCE, (rank, kind)
             assert max_diff(ours["resumed"], peer["resumed"]) <= TOLERANCE, (rank, kind)
             assert len(ours["steps"]) == len(peer["steps"]) == 8
@@ -270,3 +279,18 @@ def test_a_backward_around_the_strategy_into_a_toggled_off_optimizers_gradients_
     assert "parameter 'discriminator." in error and "belongs to an optimizer toggled off" in error, error
     assert "self.manual_backward(loss)" in error
     assert "error" not in fits[0]["accumulate", "zero1_scratch", "32-true", None]
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", ZERO)
+def test_lightning_zero_ckpt_converts_and_consolidates_both_optimizers(fits, name):
+    """The GAN's sharded ``last.ckpt`` converted to the other layout (stage 3's per-parameter one, or stages 1/2's
+    flat one) and consolidated holds both optimizers' states as the full ``last.ckpt`` of the same step does."""
+    offline = fits[0]["gan", name]["offline"]
+    assert len(offline["full"]) == len(offline["consolidated"]) == 2
+    for full, consolidated in zip(offline["full"], offline["consolidated"]):
+        assert [g["params"] for g in consolidated["param_groups"]] == [g["params"] for g in full["param_groups"]]
+        assert consolidated["state"].keys() == full["state"].keys() and full["state"]
+        for number, entry in full["state"].items():
+            for key, value in entry.items():
+                torch.testing.assert_close(consolidated["state"][number][key], value, atol=TOLERANCE, rtol=0)
