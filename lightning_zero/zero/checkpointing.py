@@ -56,7 +56,7 @@ from lightning_zero.zero.checkpoint import (
 )
 from lightning_zero.zero.stage3 import state as sp_state
 from lightning_zero.zero.stage3.engine import ShardedParams
-from lightning_zero.zero.stage12 import ShardedOptimizer
+from lightning_zero.zero.stage12 import ShardedOptimizer, index_of
 
 MODEL, OPTIMIZERS, SCHEDULERS = "state_dict", "optimizer_states", "lr_schedulers"
 PARAM_GROUPS = "optimizer_param_groups"  # sharded checkpoints: each optimizer's param_groups, in meta.pt
@@ -98,11 +98,7 @@ class ZeroCheckpointer:
 
     def index(self, optimizer: torch.optim.Optimizer) -> int:
         """``optimizer``'s position among the engine's optimizers."""
-        optimizers = self.engine.optimizers if self.engine is not None else []
-        k = next((k for k, opt in enumerate(optimizers) if opt is optimizer), None)
-        if k is None:
-            raise ValueError(f"{type(optimizer).__name__} is not an optimizer this ZeRO engine shards")
-        return k
+        return index_of(self.engine.optimizers if self.engine is not None else [], optimizer)
 
     @property
     def has_optimizer(self) -> bool:

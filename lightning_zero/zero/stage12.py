@@ -99,6 +99,14 @@ def check_disjoint(repeated: list[str]) -> None:
         )
 
 
+def index_of(optimizers: Sequence[torch.optim.Optimizer], optimizer: torch.optim.Optimizer) -> int:
+    """``optimizer``'s position among the ``optimizers`` a ZeRO engine shards (by identity)."""
+    k = next((k for k, opt in enumerate(optimizers) if opt is optimizer), None)
+    if k is None:
+        raise ValueError(f"{type(optimizer).__name__} is not an optimizer this ZeRO engine shards")
+    return k
+
+
 def set_aside_state(optimizer: torch.optim.Optimizer) -> dict | None:
     """[Note: state made before sharding] An optimizer may hold state before ZeRO rebuilds it over the shards:
     Adagrad makes its sums in its constructor, and a user may hand over one that has stepped. Returns its full state
@@ -452,9 +460,7 @@ class ShardedOptimizer:
     def _groups_of(self, optimizer: torch.optim.Optimizer | None) -> list[_FlatGroup]:
         if optimizer is None:
             return self.groups
-        k = next((k for k, opt in enumerate(self.optimizers) if opt is optimizer), None)
-        if k is None:
-            raise ValueError(f"{type(optimizer).__name__} is not an optimizer this ZeRO engine shards")
+        k = index_of(self.optimizers, optimizer)
         return [g for g in self.groups if g.optimizer_index == k]
 
     def shards(self, k: int) -> OptimizerShards:

@@ -208,9 +208,18 @@ ZERO_GRAD_CELLS = [
 ]
 
 
+def _refusal(name: str) -> str:
+    try:
+        quiet_trainer(make_strategy(name), max_epochs=1, limit_train_batches=2).fit(GAN(), _loader())
+    except ValueError as error:
+        return str(error)
+    return "trained"
+
+
 def _all_fits(tmp: str) -> dict:
     torch.set_num_threads(1)
     out = {("gan", name): _gan(name, tmp) for name in ("ddp", *MANUAL)}
+    out.update({("refused", name): _refusal(name) for name in OURS if name not in MANUAL})
     out.update({cell: _zero_grad_fit(*cell) for cell in ZERO_GRAD_CELLS})
     return out
 
@@ -294,3 +303,10 @@ def test_lightning_zero_ckpt_converts_and_consolidates_both_optimizers(fits, nam
         for number, entry in full["state"].items():
             for key, value in entry.items():
                 torch.testing.assert_close(consolidated["state"][number][key], value, atol=TOLERANCE, rtol=0)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", [name for name in OURS if name not in MANUAL])
+def test_the_robust_strategies_refuse_manual_optimization_by_name(fits, name):
+    """Robust aggregation runs one rule per optimizer step of Lightning's own loop: a GAN is refused at setup."""
+    assert fits[0]["refused", name] == f"{name} needs automatic optimization (automatic_optimization=True)"

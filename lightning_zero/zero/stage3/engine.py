@@ -89,7 +89,7 @@ from lightning_zero.zero.stage3.materialize import build_meta_modules, load_real
 from lightning_zero.zero.stage3.segments import Segment, Unit, UnitState
 from lightning_zero.zero.stage3.traffic import SegmentTraffic, gathers_per_step, step_nbytes
 from lightning_zero.zero.stage3.units import ROOT, plan_units, root_owners
-from lightning_zero.zero.stage12 import GRAD_SYNC_MODES, check_disjoint, check_in_optimizer, set_aside_state
+from lightning_zero.zero.stage12 import GRAD_SYNC_MODES, check_disjoint, check_in_optimizer, index_of, set_aside_state
 from lightning_zero.zero.unused import HeldPieces, ParamPieces, param_pieces
 
 FROZEN, TRAINABLE = "frozen", "trainable"
@@ -727,15 +727,9 @@ class ShardedParams:
         """Every attached optimizer's param groups as the user built them, in order."""
         return [group for groups in self.original_groups_of for group in groups]
 
-    def _index_of(self, optimizer: torch.optim.Optimizer) -> int:
-        k = next((k for k, opt in enumerate(self.optimizers) if opt is optimizer), None)
-        if k is None:
-            raise ValueError(f"{type(optimizer).__name__} is not an optimizer this ZeRO engine shards")
-        return k
-
     def _segments_of(self, optimizer: torch.optim.Optimizer | None) -> list[Segment]:
         """The trainable segments (of ``optimizer``; ``None``: of every optimizer)."""
-        k = None if optimizer is None else self._index_of(optimizer)
+        k = None if optimizer is None else index_of(self.optimizers, optimizer)
         return [s for s in self.segments if s.key != FROZEN and (k is None or s.key[0] == k)]
 
     def _resegment(self, unit: Unit, keys: list[int | str], params: list[nn.Parameter]) -> None:
@@ -794,7 +788,10 @@ class ShardedParams:
         return total_grad_norm(self._pieces_of(optimizer), **self._norm_arguments(optimizer))
 
     def _norm_arguments(self, optimizer: torch.optim.Optimizer | None) -> dict:
-        groups = self.original_groups if optimizer is None else self.original_groups_of[self._index_of(optimizer)]
+        if optimizer is None:
+            groups = self.original_groups
+        else:
+            groups = self.original_groups_of[index_of(self.optimizers, optimizer)]
         order = [self._names[id(p)] for group in groups for p in group if p.requires_grad]
         return {"order": order, "unused": self.unused_everywhere, "group": self.group, "device": self.device}
 
