@@ -20,6 +20,7 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.demos.boring_classes import ManualOptimBoringModel, RandomDataset
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
@@ -154,6 +155,35 @@ class ZeroGradGAN(_Players):
         return g_opt, torch.optim.SGD(self.discriminator.parameters(), lr=0.05, momentum=0.9)
 
 
+class DiscardingBoring(ManualOptimBoringModel):
+    """Lightning's manual-optimization demo model accumulating over two batches (no communication on the first), the
+    third batch's gradients thrown away by ``zero_grad`` inside its window, an SGD with momentum."""
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        loss = self.step(batch)
+        boundary = batch_idx % 2 == 1
+        with opt.toggle_model(sync_grad=boundary):
+            self.manual_backward(loss / 2)
+        if boundary:
+            opt.step()
+        if boundary or batch_idx == 2:
+            opt.zero_grad()
+        self.log("train_loss", loss)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.layer.parameters(), lr=0.1, momentum=0.9)
+
+
+def _boring_fit(name: str, grad_sync: str | None) -> dict:
+    L.seed_everything(SEED, verbose=False)
+    module, recorder = DiscardingBoring(), Recorder()
+    strategy = make_strategy(name, **({"grad_sync": grad_sync} if grad_sync else {}))
+    trainer = quiet_trainer(strategy, max_epochs=1, limit_train_batches=6, callbacks=[recorder])
+    trainer.fit(module, DataLoader(RandomDataset(32, 64), batch_size=2))
+    return {"state": state_of(module), "steps": recorder.steps}
+
+
 def _gan(name: str, tmp: str) -> dict:
     """A fit of 2 epochs, and a resume of it from the first epoch's ``last.ckpt`` (each ZeRO stage: sharded, and a
     full file), as a user sees them."""
@@ -220,6 +250,8 @@ def _all_fits(tmp: str) -> dict:
     torch.set_num_threads(1)
     out = {("gan", name): _gan(name, tmp) for name in ("ddp", *MANUAL)}
     out.update({("refused", name): _refusal(name) for name in OURS if name not in MANUAL})
+    out.update({("boring", name, None): _boring_fit(name, None) for name in ("ddp", *MANUAL)})
+    out.update({("boring", name, GRAD_SYNC[name]): _boring_fit(name, GRAD_SYNC[name]) for name in ZERO})
     out.update({cell: _zero_grad_fit(*cell) for cell in ZERO_GRAD_CELLS})
     return out
 
@@ -310,3 +342,18 @@ def test_lightning_zero_ckpt_converts_and_consolidates_both_optimizers(fits, nam
 def test_the_robust_strategies_refuse_manual_optimization_by_name(fits, name):
     """Robust aggregation runs one rule per optimizer step of Lightning's own loop: a GAN is refused at setup."""
     assert fits[0]["refused", name] == f"{name} needs automatic optimization (automatic_optimization=True)"
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", MANUAL)
+def test_lightnings_manual_optimization_model_discarding_a_batch_trains_as_under_ddp(fits, name):
+    """:class:`DiscardingBoring` (Lightning's ``ManualOptimBoringModel``) on every stage and its other ``grad_sync``:
+    the weights and the loss of every step as under ``ddp``."""
+    for rank in range(WORLD):
+        peer = fits[rank]["boring", "ddp", None]
+        for grad_sync in (None, GRAD_SYNC[name]) if name in GRAD_SYNC else (None,):
+            ours = fits[rank]["boring", name, grad_sync]
+            assert max_diff(ours["state"], peer["state"]) <= TOLERANCE, (rank, grad_sync)
+            assert [step["train_loss"] for step in ours["steps"]] == pytest.approx(
+                [step["train_loss"] for step in peer["steps"]], abs=TOLERANCE
+            )
