@@ -136,16 +136,21 @@ class DataParallelEngine:
         masters = self.masters_of(optimizer)
         if masters is not None and self.reducer is not None:
             masters.after_step()
-            self.reducer.end_window(self.reducer.indices_of(p for p, _ in masters.pairs))
+            self._end_window(masters)
 
     def restart_window(self, optimizer: Any) -> None:
         """``optimizer.zero_grad()`` with masters: its parameters' gradients dropped from the accumulation buckets
         too, as ``zero_grad`` drops them under ``ddp``."""
         masters = self.masters_of(optimizer)
         if masters is not None and self.reducer is not None:
-            self.reducer.end_window(self.reducer.indices_of(p for p, _ in masters.pairs))
+            self._end_window(masters)
             for p, _ in masters.pairs:
                 p.grad = None
+
+    def _end_window(self, masters: MasterWeights) -> None:
+        """The reducer's window of ``masters``' parameters ends (each optimizer has its own)."""
+        assert self.reducer is not None
+        self.reducer.end_window(self.reducer.indices_of(p for p, _ in masters.pairs))
 
     def add_masters_to_state(self, optimizer: Any, state: dict[str, Any]) -> None:
         """``optimizer.state_dict()`` with each parameter's fp32 ``"master"`` when master weights are kept."""

@@ -46,6 +46,18 @@ def _loader() -> DataLoader:
     return DataLoader(TensorDataset(torch.randn(48, 8, generator=g), torch.randn(48, 1, generator=g)), batch_size=4)
 
 
+def _accumulate_discarding_the_third(module: L.LightningModule, opt, loss: torch.Tensor, batch_idx: int) -> None:
+    """Accumulate ``loss`` over two batches (no communication on the first); the third batch's gradients are thrown
+    away by ``zero_grad`` inside its window (a bad micro-batch skipped), so the fourth steps alone."""
+    boundary = batch_idx % 2 == 1
+    with opt.toggle_model(sync_grad=boundary):
+        module.manual_backward(loss / 2)
+    if boundary:
+        opt.step()
+    if boundary or batch_idx == 2:
+        opt.zero_grad()
+
+
 class _Players(L.LightningModule):
     """A generator and a discriminator, two optimizers, manual optimization."""
 
@@ -120,14 +132,7 @@ class ZeroGradGAN(_Players):
         d_loss = self._d_loss(real, fake.detach(), ones, zeros)
         self.log("train_d_loss", d_loss)
         if self.way == "discard":
-            boundary = batch_idx % 2 == 1
-            with d_opt.toggle_model(sync_grad=boundary):
-                self.manual_backward(d_loss / 2)
-            if boundary:
-                d_opt.step()
-            if boundary or batch_idx == 2:
-                d_opt.zero_grad()
-            return
+            return _accumulate_discarding_the_third(self, d_opt, d_loss, batch_idx)
         if self.way in ("accumulate", "accumulate_bypassing"):
             boundary = batch_idx % 2 == 1
             with d_opt.toggle_model(sync_grad=boundary):
@@ -156,20 +161,13 @@ class ZeroGradGAN(_Players):
 
 
 class DiscardingBoring(ManualOptimBoringModel):
-    """Lightning's manual-optimization demo model accumulating over two batches (no communication on the first), the
-    third batch's gradients thrown away by ``zero_grad`` inside its window, an SGD with momentum."""
+    """Lightning's manual-optimization demo model under :func:`_accumulate_discarding_the_third`, with an SGD with
+    momentum."""
 
     def training_step(self, batch, batch_idx):
-        opt = self.optimizers()
         loss = self.step(batch)
-        boundary = batch_idx % 2 == 1
-        with opt.toggle_model(sync_grad=boundary):
-            self.manual_backward(loss / 2)
-        if boundary:
-            opt.step()
-        if boundary or batch_idx == 2:
-            opt.zero_grad()
         self.log("train_loss", loss)
+        _accumulate_discarding_the_third(self, self.optimizers(), loss, batch_idx)
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.layer.parameters(), lr=0.1, momentum=0.9)
