@@ -6,8 +6,6 @@ Lightning has no entry point for strategies and its Trainer snapshots the regist
 must happen before ``Trainer(...)``. Hydra configs that name ``_target_: lightning_zero....`` import it for you.
 """
 
-from typing import Any
-
 from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
 from lightning.pytorch.strategies import StrategyRegistry
 
@@ -23,6 +21,7 @@ from lightning_zero.strategies import (
 )
 from lightning_zero.strategies.grad_norm import grad_norm
 from lightning_zero.training.preemption import Preempted, PreemptionCheckpoint
+from lightning_zero.training.run_stats import RunStats
 
 __version__ = "0.1.0.dev0"
 
@@ -50,13 +49,3 @@ __all__ = [
     "__version__",
     "grad_norm",
 ]
-
-
-def __getattr__(name: str) -> Any:
-    # The tooling (lightning_zero.tools) imports this package to register the strategies, so the root imports
-    # nothing from it eagerly: lightning_zero.RunStats resolves on first use.
-    if name == "RunStats":
-        from lightning_zero.tools.run_stats import RunStats
-
-        return RunStats
-    raise AttributeError(f"module 'lightning_zero' has no attribute {name!r}")

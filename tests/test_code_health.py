@@ -121,7 +121,8 @@ def test_cycle_finder_sees_a_lazy_cycle():
 def test_import_reader_sees_lazy_and_relative_imports(tmp_path):
     path = tmp_path / "mod.py"
     path.write_text("from .ring import x\n\ndef f():\n    from lightning_zero.dp import reducer\n")
-    assert _imported("lightning_zero.comm.collectives", path) == {"lightning_zero.comm.ring", "lightning_zero.dp.reducer"}
+    found = _imported("lightning_zero.comm.collectives", path)
+    assert found == {"lightning_zero.comm.ring", "lightning_zero.dp.reducer"}
 
 
 def test_no_import_cycles():

@@ -75,7 +75,6 @@ from lightning_utilities.core.overrides import is_overridden
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, Sampler, SequentialSampler
 
-import lightning_zero  # noqa: F401  (registers our strategy names with Lightning)
 from lightning_zero.tools.overrides import did_you_mean
 
 PROG = "lightning-zero-parity"

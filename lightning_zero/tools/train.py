@@ -107,8 +107,6 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     import lightning as L
     from hydra.utils import instantiate
 
-    import lightning_zero  # noqa: F401  (registers the strategy names)
-
     _set_threads(cfg)
     L.seed_everything(cfg.seed, workers=True)
     datamodule = instantiate(cfg.data)
