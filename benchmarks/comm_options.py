@@ -56,7 +56,8 @@ from torch.nn import functional as F
 
 from lightning_zero import ScratchDDPStrategy, ZeroStrategy
 from lightning_zero.comm.collectives import LEDGER
-from lightning_zero.comm.powersgd import PowerSGDConfig, compressed_step_bytes
+from lightning_zero.comm.powersgd import compressed_step_bytes
+from lightning_zero.comm.powersgd_config import PowerSGDConfig
 from lightning_zero.demo import CharGPTModule, CharTextDataModule
 from lightning_zero.zero.settings import QUANT_BLOCK_SIZE
 

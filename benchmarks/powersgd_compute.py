@@ -31,7 +31,8 @@ except ImportError:
 
 from lightning_zero.comm import collectives as comm
 from lightning_zero.comm.bucketing import assign_buckets
-from lightning_zero.comm.powersgd import PowerSGDCompressor, PowerSGDConfig, plan_tensors
+from lightning_zero.comm.powersgd import PowerSGDCompressor, plan_tensors
+from lightning_zero.comm.powersgd_config import PowerSGDConfig
 
 
 def _buckets(preset: str, bucket_size_mb: float) -> list[tuple[torch.Tensor, list[tuple[int, tuple[int, ...]]]]]:

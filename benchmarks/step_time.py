@@ -122,7 +122,8 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_zero import ScratchDDPStrategy, ZeroStrategy
 from lightning_zero.comm.collectives import LEDGER
-from lightning_zero.comm.powersgd import PowerSGDConfig, compressed_step_bytes
+from lightning_zero.comm.powersgd import compressed_step_bytes
+from lightning_zero.comm.powersgd_config import PowerSGDConfig
 from lightning_zero.training.memory import ModelStateBytes, strategy_model_state_bytes, zero_model_state_bytes
 from lightning_zero.training.precision import LOW_PRECISION
 

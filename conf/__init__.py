@@ -5,6 +5,6 @@ Importing this package stores the typed strategy schemas in Hydra's ConfigStore,
 applications reuse the groups with ``hydra.searchpath: [pkg://lightning_zero.conf]``.
 """
 
-from lightning_zero.tools.config import register_configs
+from lightning_zero.tools.config_schema import register_configs
 
 register_configs()

@@ -6,6 +6,10 @@ Run::
     python examples/train_ddp_scratch.py --devices 1         # one process
     torchrun --nproc_per_node 2 examples/train_ddp_scratch.py
 
+It ends with one line from rank 0, e.g. ``final val_mse=0.3165 after 80 optimizer steps, median step 4.1 ms``
+(under 10 s on 2 CPU cores), and leaves ``run_stats.json`` (step times, model-state bytes per rank) in the
+current directory.
+
 Lightning's popen launcher re-runs this script for every extra rank, so everything below stays under
 ``if __name__ == "__main__"``. ``import lightning_zero`` must come before ``Trainer(...)``: it registers the name.
 """
@@ -20,7 +24,7 @@ import torchmetrics
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import lightning_zero  # noqa: F401  (registers "ddp_scratch")
+import lightning_zero  # registers "ddp_scratch"
 
 
 class Regressor(L.LightningModule):
@@ -61,6 +65,7 @@ def main() -> None:
 
     torch.set_num_threads(1)  # one thread per process: 2 processes on 2 cores
     L.seed_everything(0)
+    run_stats = lightning_zero.RunStats(output_dir=".", log_step_time=False)
     trainer = L.Trainer(
         accelerator="cpu",
         devices=args.devices,
@@ -70,6 +75,7 @@ def main() -> None:
         gradient_clip_val=1.0,
         logger=False,
         enable_checkpointing=False,
+        callbacks=[run_stats],
     )
     model = Regressor()
     trainer.fit(
@@ -78,7 +84,8 @@ def main() -> None:
         DataLoader(make_data(512, seed=1), batch_size=64),
     )
     if trainer.is_global_zero:
-        print(f"final val_mse={trainer.callback_metrics['val_mse']:.4f} after {trainer.global_step} optimizer steps")
+        val_mse, step_ms = trainer.callback_metrics["val_mse"], run_stats.stats["median_step_time_ms"]
+        print(f"final val_mse={val_mse:.4f} after {trainer.global_step} optimizer steps, median step {step_ms:.1f} ms")
     if torch.distributed.is_initialized():  # a gloo group alive at interpreter exit can abort the process
         torch.distributed.destroy_process_group()
 

@@ -23,7 +23,7 @@ from lightning_zero.strategies.grad_norm import grad_norm
 from lightning_zero.training.preemption import Preempted, PreemptionCheckpoint
 from lightning_zero.training.run_stats import RunStats
 
-__version__ = "0.1.0.dev0"
+__version__ = "0.1.0"
 
 ScratchDDPStrategy.register_strategies(StrategyRegistry)
 RobustDDPStrategy.register_strategies(StrategyRegistry)

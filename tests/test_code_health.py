@@ -1,10 +1,12 @@
-"""The package's structure, read from its source: no import cycles, no import upwards, no module over ~400 lines.
+"""The package's structure, read from its source: no import cycles, no import upwards, no module over ~400 lines,
+and a typed public API.
 
 Every ``import`` statement counts, a lazy one inside a function or under ``if TYPE_CHECKING:`` included: a cycle
 broken by deferring one side's import is still a cycle a reader has to hold in their head.
 """
 
 import ast
+import inspect
 import pathlib
 
 import pytest
@@ -30,6 +32,14 @@ LAYERS = {
 }
 ROOT_MAY_IMPORT = {"strategies", "fabric", "training"}
 MAX_LINES = 420  # the guide's "~400 lines"
+
+# The structure still owed (issue 34), so that CI holds the line while it is paid off: each module over MAX_LINES
+# with the length it may not exceed. The list may only shrink: a module back under MAX_LINES fails
+# test_the_debt_lists_only_what_is_still_owed until it leaves the list.
+LONG_MODULES = {
+    "lightning_zero.strategies.zero": 579,
+    "lightning_zero.zero.stage3.engine": 868,
+}
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -129,6 +139,11 @@ def test_no_import_cycles():
     assert _cycles(GRAPH) == []
 
 
+def test_the_debt_lists_only_what_is_still_owed():
+    paid = {m: n for m, n in LONG_MODULES.items() if len(MODULES[m].read_text().splitlines()) <= MAX_LINES}
+    assert paid == {}, "modules back under MAX_LINES: remove them from LONG_MODULES"
+
+
 def test_every_subpackage_has_a_layer():
     packages = {_package(module) for module in MODULES} - {None}
     assert packages == set(LAYERS), f"give {sorted(packages - set(LAYERS))} a layer in LAYERS"
@@ -152,5 +167,44 @@ def test_no_import_runs_upwards():
 
 @pytest.mark.parametrize("module", sorted(MODULES))
 def test_module_length(module):
-    lines = len(MODULES[module].read_text().splitlines())
-    assert lines <= MAX_LINES, f"{MODULES[module].relative_to(PACKAGE.parent)} has {lines} lines (at most {MAX_LINES})"
+    lines, limit = len(MODULES[module].read_text().splitlines()), LONG_MODULES.get(module, MAX_LINES)
+    assert lines <= limit, f"{MODULES[module].relative_to(PACKAGE.parent)} has {lines} lines (at most {limit})"
+
+
+def _untyped(function: object) -> list[str]:
+    """The parameters of ``function`` without an annotation, and ``"return"`` if its return has none."""
+    signature = inspect.signature(function)  # type: ignore[arg-type]
+    missing = [
+        name
+        for name, parameter in signature.parameters.items()
+        if name not in ("self", "cls") and parameter.annotation is inspect.Parameter.empty
+    ]
+    if signature.return_annotation is inspect.Signature.empty:
+        missing.append("return")
+    return missing
+
+
+def test_the_public_api_is_typed():
+    """Every name of ``lightning_zero.__all__``: a function's signature, a class's ``__init__`` and the public methods
+    it defines itself, fully annotated (``py.typed`` promises it)."""
+    import lightning_zero
+
+    untyped = {}
+    for name in lightning_zero.__all__:
+        obj = getattr(lightning_zero, name)
+        if inspect.isclass(obj):
+            functions = {f"{name}.__init__": obj.__init__} if "__init__" in vars(obj) else {}
+            functions |= {
+                f"{name}.{attr}": value
+                for attr, value in vars(obj).items()
+                if inspect.isfunction(value) and not attr.startswith("_")
+            }
+        elif inspect.isfunction(obj):
+            functions = {name: obj}
+        else:
+            continue
+        for qualname, function in functions.items():
+            if missing := _untyped(function):
+                untyped[qualname] = missing
+    assert untyped == {}
+    assert _untyped(lambda x, y=1: x) == ["x", "y", "return"]  # the check itself can fail

@@ -7,12 +7,16 @@ every other test, which run against the source tree).
 Slow: ``python -m build`` on a clean copy of the work tree (tracked plus untracked-but-not-ignored files, so a stray
 ``build/`` or ``*.egg-info`` of the checkout cannot leak in, and the checkout gets none), the wheel built from the
 sdist as a release would; ``twine check --strict`` on both; then the wheel in a fresh virtual environment, run as
-``lightning-zero-train`` from an unrelated directory: ``--cfg job`` and a 2-step, 2-process ``zero3_scratch`` run.
+``lightning-zero-train`` from an unrelated directory: ``--help``, ``--cfg job`` and a 2-step, 2-process
+``zero3_scratch`` run, and the example copied out of the checkout. The venv sees the environment's packages
+(``--system-site-packages``: torch first, as a user installs it, then the wheel without dependencies), so the test
+needs no network.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+import re
 import shutil
 import subprocess
 import sys
@@ -186,6 +190,15 @@ def test_wheel_and_sdist_build_check_install_and_run(tmp_path: Path) -> None:
     show = "import lightning_zero, lightning_zero.conf as c; print(lightning_zero.__file__, c.__file__)"
     where = _ok(_run([python, "-c", show], cwd=tmp_path, timeout=120)).split()
     assert len(where) == 2 and all(Path(p).resolve().is_relative_to(venv.resolve()) for p in where), where
+
+    help_text = _ok(_run([cli, "--help"], cwd=tmp_path, timeout=120))
+    assert "strategy: " in help_text and "zero3_scratch" in help_text, help_text[-4000:]
+    # The example, copied out of the checkout, against the wheel: what a user of the release runs first.
+    example = tmp_path / "example" / "train_ddp_scratch.py"
+    example.parent.mkdir()
+    shutil.copy2(src / "examples" / "train_ddp_scratch.py", example)
+    out = _ok(_run([python, example], cwd=example.parent, timeout=180))
+    assert re.search(r"final val_mse=[\d.]+ after \d+ optimizer steps", out), out[-4000:]
 
     job = _ok(_run([cli, "--cfg", "job"], cwd=tmp_path, timeout=120))
     assert "_target_: lightning_zero.ZeroStrategy" in job and "stage: 3" in job, job[-4000:]

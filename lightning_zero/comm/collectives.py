@@ -2,13 +2,13 @@
 
 It has these jobs.
 
-1. **The communication ledger.** Each call is recorded in :data:`LEDGER` as ``(op, tag, bytes)``, where ``bytes``
-   is the size of the *input* this rank contributes, except for all-gathers, which record the gathered *output*
-   (an all-reduce of a 100 MiB bucket records 100 MiB whatever the algorithm puts on the wire; gathering a 100 MiB
-   parameter from N shards records 100 MiB). The quantized collectives record what goes on the wire in those terms:
-   int8 values plus fp32 scales (:func:`all_gather_quantized`, :func:`reduce_scatter_quantized`). Tests and
-   benchmarks read it to prove, for example, that a non-boundary micro-batch communicates nothing. Tags name the
-   purpose (``"grads"``, ``"sync_states"``, ``"log"``...).
+1. **The communication ledger.** Each call is recorded in :data:`LEDGER` (:mod:`~lightning_zero.comm.ledger`) as
+   ``(op, tag, bytes)``, where ``bytes`` is the size of the *input* this rank contributes, except for all-gathers,
+   which record the gathered *output* (an all-reduce of a 100 MiB bucket records 100 MiB whatever the algorithm puts
+   on the wire; gathering a 100 MiB parameter from N shards records 100 MiB). The quantized collectives
+   (:mod:`lightning_zero.comm.quantized`) record what goes on the wire in those terms: int8 values plus fp32 scales.
+   Tests and benchmarks read it to prove, for example, that a non-boundary micro-batch communicates nothing. Tags
+   name the purpose (``"grads"``, ``"sync_states"``, ``"log"``...).
 
 2. **Primitive choice per backend.** [Note: gloo substitutes] On gloo (torch 2.13) ``reduce_scatter`` is a clone
    plus a full all-reduce plus a copy, and ``all_gather_into_tensor`` allocates a full-size temporary; both are slower
@@ -31,8 +31,8 @@ It has these jobs.
    ``"ring"`` (:func:`lightning_zero.comm.ring.ring_all_reduce`, see [Note: ring all-reduce]); ``None`` means
    :data:`ALL_REDUCE_ALGORITHM`.
 
-4. **Quantized collectives** (ZeRO++'s qwZ and qgZ, [Note: quantized reduce-scatter]): :func:`all_gather_quantized`
-   and :func:`reduce_scatter_quantized` send blockwise int8 with fp32 scales and dequantize on completion.
+4. **Quantized collectives** (ZeRO++'s qwZ and qgZ, [Note: quantized reduce-scatter]): in
+   :mod:`lightning_zero.comm.quantized` send blockwise int8 with fp32 scales and dequantize on completion.
 
 Asynchronous calls return a :class:`Handle` whose ``wait()`` also runs any copy-out (or dequantization) the call
 needs.
@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import pickle
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -50,9 +49,16 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_zero.comm import watchdog
-from lightning_zero.comm.quantize import dequantize, pack, quantize, unpack
+from lightning_zero.comm.groups import LOCAL_REDUCE, ReduceOpName, torch_reduce_op
 
-ReduceOpName = str  # "sum" | "avg" | "max" | "min" | "product"
+# The process-group queries and the ledger are part of the shim's API (``comm.rank()``, ``comm.LEDGER``): explicit
+# re-exports of their own modules' names, which the ring imports without importing the shim.
+from lightning_zero.comm.groups import global_rank as global_rank
+from lightning_zero.comm.groups import is_initialized as is_initialized
+from lightning_zero.comm.groups import rank as rank
+from lightning_zero.comm.groups import world_size as world_size
+from lightning_zero.comm.ledger import LEDGER as LEDGER
+from lightning_zero.comm.ring import ring_all_reduce
 
 # torch 2.13 renamed the flat collectives; the old names warn on every call.
 _reduce_scatter_native = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -65,63 +71,6 @@ ALL_REDUCE_ALGORITHM = "native"
 GLOO_SUBSTITUTE_MIN_BYTES = 4 * 2**20
 """Smallest message (reduce-scatter input, all-gather output) for which gloo uses the substitutes."""
 
-_LOCAL_REDUCE: dict[str, Callable[[Tensor, Tensor], Any]] = {
-    "sum": Tensor.add_,
-    "avg": Tensor.add_,
-    "mean": Tensor.add_,
-    "max": lambda out, x: torch.maximum(out, x, out=out),
-    "min": lambda out, x: torch.minimum(out, x, out=out),
-}
-"""In-place combination of two contributions, for the gloo reduce-scatter substitute."""
-
-_REDUCE_OPS = {
-    "sum": dist.ReduceOp.SUM,
-    "avg": dist.ReduceOp.AVG,
-    "mean": dist.ReduceOp.AVG,
-    "max": dist.ReduceOp.MAX,
-    "min": dist.ReduceOp.MIN,
-    "product": dist.ReduceOp.PRODUCT,
-}
-
-
-@dataclass
-class CommLedger:
-    """Counts collective calls and input bytes per ``(op, tag)``.
-
-    ``records`` keeps every call in order so a test can slice the ledger around one micro-batch.
-    """
-
-    records: list[tuple[str, str, int]] = field(default_factory=list)
-
-    def record(self, op: str, tag: str, nbytes: int) -> None:
-        self.records.append((op, tag, nbytes))
-
-    def reset(self) -> None:
-        self.records.clear()
-
-    def _select(self, op: str | None, tag: str | None) -> list[int]:
-        return [b for o, t, b in self.records if (op is None or o == op) and (tag is None or t == tag)]
-
-    def bytes(self, op: str | None = None, tag: str | None = None) -> int:
-        """Total input bytes of the calls matching ``op`` and ``tag`` (``None`` matches any)."""
-        return sum(self._select(op, tag))
-
-    def calls(self, op: str | None = None, tag: str | None = None) -> int:
-        """Number of calls matching ``op`` and ``tag`` (``None`` matches any)."""
-        return len(self._select(op, tag))
-
-    def summary(self) -> dict[tuple[str, str], tuple[int, int]]:
-        """``{(op, tag): (calls, bytes)}``."""
-        out: dict[tuple[str, str], tuple[int, int]] = {}
-        for op, tag, nbytes in self.records:
-            calls, total = out.get((op, tag), (0, 0))
-            out[(op, tag)] = (calls + 1, total + nbytes)
-        return out
-
-
-LEDGER = CommLedger()
-"""The process-wide ledger every call in this module records into."""
-
 
 class Handle:
     """A pending collective: one or more ``torch.distributed`` works plus an optional copy-out to run after them.
@@ -131,7 +80,7 @@ class Handle:
     def __init__(
         self,
         works: Sequence[Any] = (),
-        then: Callable[[], None] | None = None,
+        then: Callable[[], object] | None = None,
         label: str = "a collective",
         bounded: bool = False,
     ) -> None:
@@ -148,7 +97,7 @@ class Handle:
             then()
 
 
-def _nbytes(tensor: Tensor) -> int:
+def nbytes_of(tensor: Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
@@ -156,39 +105,15 @@ def _size(nbytes: int) -> str:
     return f"{nbytes / 2**20:.2f} MiB" if nbytes >= 2**20 else f"{nbytes} bytes"
 
 
-def _op(name: ReduceOpName) -> Any:
-    try:
-        return _REDUCE_OPS[name]
-    except KeyError:
-        raise ValueError(f"reduce op {name!r} is invalid: expected one of {sorted(_REDUCE_OPS)}") from None
-
-
-def is_initialized() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def world_size(group: Any = None) -> int:
-    return dist.get_world_size(group) if is_initialized() else 1
-
-
-def rank(group: Any = None) -> int:
-    return dist.get_rank(group) if is_initialized() else 0
-
-
-def global_rank(group_rank: int, group: Any = None) -> int:
-    """The global rank of ``group``'s rank ``group_rank`` (the ``src``/``dst`` our collectives take)."""
-    return group_rank if group is None else dist.get_global_rank(group, group_rank)
-
-
 def uses_gloo_substitutes(nbytes: int, group: Any = None) -> bool:
     """Whether a reduce-scatter/all-gather moving ``nbytes`` uses the gloo substitutes (see the module docstring)."""
     return nbytes >= GLOO_SUBSTITUTE_MIN_BYTES and dist.get_backend(group) == "gloo"
 
 
-def _finish(
+def finish(
     works: Sequence[Any],
     async_op: bool,
-    then: Callable[[], None] | None = None,
+    then: Callable[[], object] | None = None,
     *,
     op: str = "",
     tag: str = "",
@@ -230,17 +155,15 @@ def all_reduce(
     wire = _in_dtype(tensor, dtype)
     if wire is not None:
         handle = all_reduce(wire, op, group=group, async_op=True, tag=tag, algorithm=algorithm)
-        return _finish([handle], async_op, then=lambda: tensor.copy_(wire))
+        return finish([handle], async_op, then=lambda: tensor.copy_(wire))
     if algorithm == "ring":
-        from lightning_zero.comm.ring import ring_all_reduce  # imports this module
-
-        _op(op)  # the same error as the native path for an unknown name
+        torch_reduce_op(op)  # the same error as the native path for an unknown name
         ring_all_reduce(tensor, op, group=group, tag=tag)
-        return _finish([], async_op)
-    reduce_op = _op(op)
-    LEDGER.record("all_reduce", tag, _nbytes(tensor))
+        return finish([], async_op)
+    reduce_op = torch_reduce_op(op)
+    LEDGER.record("all_reduce", tag, nbytes_of(tensor))
     work = dist.all_reduce(tensor, op=reduce_op, group=group, async_op=True)
-    return _finish([work], async_op, op="all_reduce", tag=tag, nbytes=_nbytes(tensor), group=group)
+    return finish([work], async_op, op="all_reduce", tag=tag, nbytes=nbytes_of(tensor), group=group)
 
 
 def reduce(
@@ -258,20 +181,20 @@ def reduce(
     wire = _in_dtype(tensor, dtype)
     if wire is not None:
         handle = reduce(wire, dst, op, group=group, async_op=True, tag=tag)
-        return _finish([handle], async_op, then=(lambda: tensor.copy_(wire)) if rank() == dst else None)
-    reduce_op = _op(op)
-    LEDGER.record("reduce", tag, _nbytes(tensor))
+        return finish([handle], async_op, then=(lambda: tensor.copy_(wire)) if rank() == dst else None)
+    reduce_op = torch_reduce_op(op)
+    LEDGER.record("reduce", tag, nbytes_of(tensor))
     work = dist.reduce(tensor, dst=dst, op=reduce_op, group=group, async_op=True)
-    return _finish([work], async_op, op="reduce", tag=tag, nbytes=_nbytes(tensor), group=group)
+    return finish([work], async_op, op="reduce", tag=tag, nbytes=nbytes_of(tensor), group=group)
 
 
 def broadcast(
     tensor: Tensor, src: int = 0, *, group: Any = None, async_op: bool = False, tag: str = ""
 ) -> Handle | None:
     """In-place broadcast of ``tensor`` from global rank ``src``."""
-    LEDGER.record("broadcast", tag, _nbytes(tensor))
+    LEDGER.record("broadcast", tag, nbytes_of(tensor))
     work = dist.broadcast(tensor, src=src, group=group, async_op=True)
-    return _finish([work], async_op, op="broadcast", tag=tag, nbytes=_nbytes(tensor), group=group)
+    return finish([work], async_op, op="broadcast", tag=tag, nbytes=nbytes_of(tensor), group=group)
 
 
 def reduce_scatter(
@@ -294,23 +217,23 @@ def reduce_scatter(
     if wire is not None:
         wire_out = output.new_empty(output.shape, dtype=dtype)
         handle = reduce_scatter(wire_out, wire, op, group=group, async_op=True, tag=tag)
-        return _finish([handle], async_op, then=lambda: output.copy_(wire_out))
+        return finish([handle], async_op, then=lambda: output.copy_(wire_out))
     n = world_size(group)
     if input.numel() != output.numel() * n:
         raise ValueError(
             f"reduce_scatter input has {input.numel()} elements: expected world_size={n} x output {output.numel()}"
         )
-    LEDGER.record("reduce_scatter", tag, _nbytes(input))
+    LEDGER.record("reduce_scatter", tag, nbytes_of(input))
     if n == 1:  # nothing to exchange (and the pairwise substitute has no peer)
-        _op(op)  # validates the name
+        torch_reduce_op(op)  # validates the name
         output.view(-1).copy_(input.view(-1))
-        return _finish([], async_op)
-    described = {"op": "reduce_scatter", "tag": tag, "nbytes": _nbytes(input), "group": group}
-    if not uses_gloo_substitutes(_nbytes(input), group):
-        work = _reduce_scatter_native(output, input, op=_op(op), group=group, async_op=True)
-        return _finish([work], async_op, **described)
-    if op not in _LOCAL_REDUCE:
-        raise ValueError(f"reduce_scatter op {op!r} is invalid on gloo: expected one of {sorted(_LOCAL_REDUCE)}")
+        return finish([], async_op)
+    described = {"op": "reduce_scatter", "tag": tag, "nbytes": nbytes_of(input), "group": group}
+    if not uses_gloo_substitutes(nbytes_of(input), group):
+        work = _reduce_scatter_native(output, input, op=torch_reduce_op(op), group=group, async_op=True)
+        return finish([work], async_op, **described)
+    if op not in LOCAL_REDUCE:
+        raise ValueError(f"reduce_scatter op {op!r} is invalid on gloo: expected one of {sorted(LOCAL_REDUCE)}")
     me, k, out = rank(group), output.numel(), output.view(-1)
     chunks = input.view(-1).split(k)
     peers = [peer for peer in range(n) if peer != me]
@@ -325,11 +248,11 @@ def reduce_scatter(
     def combine() -> None:  # output + every other contribution, in rank order
         for r in range(n):
             if r != peers[0]:
-                _LOCAL_REDUCE[op](out, chunks[me] if r == me else received[r])
+                LOCAL_REDUCE[op](out, chunks[me] if r == me else received[r])
         if op in ("avg", "mean"):
             out.div_(n)
 
-    return _finish(works, async_op, then=combine, **described)
+    return finish(works, async_op, then=combine, **described)
 
 
 def all_gather(
@@ -349,22 +272,22 @@ def all_gather(
     if dtype is not None and dtype != output.dtype:
         wire_out = output.new_empty(output.shape, dtype=dtype)
         handle = all_gather(wire_out, input, group=group, async_op=True, tag=tag)
-        return _finish([handle], async_op, then=lambda: output.copy_(wire_out))
+        return finish([handle], async_op, then=lambda: output.copy_(wire_out))
     if input.dtype != output.dtype:
         input = input.to(output.dtype)
     n = world_size(group)
     k = input.numel()
     if output.numel() != k * n:
         raise ValueError(f"all_gather output has {output.numel()} elements: expected world_size={n} x input {k}")
-    LEDGER.record("all_gather", tag, _nbytes(output))
+    LEDGER.record("all_gather", tag, nbytes_of(output))
     if n == 1:
         if output.data_ptr() != input.data_ptr():
             output.view(-1).copy_(input.view(-1))
-        return _finish([], async_op)
-    described = {"op": "all_gather", "tag": tag, "nbytes": _nbytes(output), "group": group}
-    if not uses_gloo_substitutes(_nbytes(output), group):
+        return finish([], async_op)
+    described = {"op": "all_gather", "tag": tag, "nbytes": nbytes_of(output), "group": group}
+    if not uses_gloo_substitutes(nbytes_of(output), group):
         work = _all_gather_native(output, input, group=group, async_op=True)
-        return _finish([work], async_op, **described)
+        return finish([work], async_op, **described)
     flat = output.view(-1)
     mine = flat.narrow(0, rank(group) * k, k)
     if mine.data_ptr() != input.data_ptr():  # ZeRO gathers in place: the input already is this rank's slot
@@ -373,85 +296,7 @@ def all_gather(
     for r in range(n):
         src = r if group is None else dist.get_global_rank(group, r)
         works.append(dist.broadcast(flat.narrow(0, r * k, k), src=src, group=group, async_op=True))
-    return _finish(works, async_op, **described)
-
-
-def all_gather_quantized(
-    output: Tensor,
-    input: Tensor,
-    block_size: int,
-    *,
-    group: Any = None,
-    async_op: bool = False,
-    tag: str = "",
-    dtype: torch.dtype | None = None,
-) -> Handle | None:
-    """:func:`all_gather` with the pieces sent as blockwise int8 (ZeRO++'s qwZ; [Note: blockwise quantization] in
-    ``lightning_zero/comm/quantize.py``): each rank quantizes its ``input`` (k elements), the packed values and
-    scales are all-gathered in one call (the ledger records ``N * (k + 4 * ceil(k / block_size))`` bytes, about a
-    quarter of fp32), and on completion every piece, this rank's own included, is dequantized into ``output`` (so
-    every rank holds the same values), rounded to ``dtype`` on the way when given (e.g. bf16 values in an fp32
-    ``output``, as :func:`all_gather` gives them). Lossy: each element within half a step of its block."""
-    n, k = world_size(group), input.numel()
-    if output.numel() != k * n:
-        raise ValueError(f"all_gather output has {output.numel()} elements: expected world_size={n} x input {k}")
-    packed = pack(*quantize(input.reshape(-1), block_size))
-    everyone = packed.new_empty(n * packed.numel())
-    handle = all_gather(everyone, packed, group=group, async_op=True, tag=tag)
-
-    def dequantize_pieces() -> None:  # one rank's piece at a time: a temporary of k fp32 values, not N k
-        for row, out in zip(everyone.view(n, -1), output.view(n, k)):
-            out.copy_(dequantize(*unpack(row, k), block_size, dtype or output.dtype))
-
-    return _finish([handle], async_op, then=dequantize_pieces)
-
-
-QUANTIZED_REDUCE_OPS = ("sum", "avg", "mean")
-"""The ops of :func:`reduce_scatter_quantized`: sums of dequantized contributions."""
-
-
-def reduce_scatter_quantized(
-    output: Tensor,
-    input: Tensor,
-    block_size: int,
-    op: ReduceOpName = "avg",
-    *,
-    group: Any = None,
-    async_op: bool = False,
-    tag: str = "",
-) -> Handle | None:
-    """:func:`reduce_scatter` with the contributions sent as blockwise int8 (ZeRO++'s qgZ).
-
-    [Note: quantized reduce-scatter] Rank r quantizes chunk d of its ``input`` (the piece bound for rank d, k
-    elements) in blocks of its own ([Note: blockwise quantization] in ``lightning_zero/comm/quantize.py``), and one
-    all-to-all sends every rank its chunks, packed with their scales; the ledger records this rank's input on the
-    wire, ``N * (k + 4 * ceil(k / block_size))`` bytes. On completion each rank dequantizes the N contributions to
-    its chunk (its own included) to fp32, sums them in fp32 in rank order, divides by N for ``"avg"`` and writes the
-    result into ``output`` (any float dtype): the reduction runs in higher precision after dequantisation, as
-    ZeRO++'s does, so only the N quantizations are lossy. Each contribution is off by at most half a step of its
-    block, so the average is within ``sum_r max_error(chunk d of rank r) / N`` of the exact one (plus fp32
-    rounding). ``input`` is quantized before this returns: it may change at once.
-    """
-    if op not in QUANTIZED_REDUCE_OPS:
-        raise ValueError(f"reduce_scatter_quantized op {op!r} is invalid: expected one of {QUANTIZED_REDUCE_OPS}")
-    n, k = world_size(group), output.numel()
-    if input.numel() != k * n:
-        raise ValueError(f"reduce_scatter input has {input.numel()} elements: expected world_size={n} x output {k}")
-    packed = pack(*quantize(input.reshape(n, k), block_size))  # (n, k + 4 * blocks): row d goes to rank d
-    LEDGER.record("reduce_scatter", tag, _nbytes(packed))
-    received = packed if n == 1 else torch.empty_like(packed)
-    works = [] if n == 1 else [dist.all_to_all_single(received, packed, group=group, async_op=True)]
-    described = {"op": "reduce_scatter", "tag": tag, "nbytes": _nbytes(packed), "group": group}
-
-    def combine() -> None:  # contribution r is rank r's chunk for this rank
-        total = dequantize(*unpack(received[0], k), block_size)
-        for row in received[1:]:
-            total.add_(dequantize(*unpack(row, k), block_size))
-        if op != "sum":
-            total.div_(n)
-        output.view(-1).copy_(total)
-
-    return _finish(works, async_op, then=combine, **described)
+    return finish(works, async_op, **described)
 
 
 Pieces = Tensor | Sequence[Tensor]
@@ -477,39 +322,39 @@ def all_to_all(
         raise ValueError(f"all_to_all got {len(inputs)} inputs and {len(outputs)} outputs: expected {n} of each")
     outs = [[t] if isinstance(t, Tensor) else list(t) for t in outputs]
     ins = [[t] if isinstance(t, Tensor) else list(t) for t in inputs]
-    LEDGER.record("all_to_all", tag, sum(_nbytes(t) for pieces in outs for t in pieces))
+    LEDGER.record("all_to_all", tag, sum(nbytes_of(t) for pieces in outs for t in pieces))
     for out, piece in zip(outs[me], ins[me]):
         if out.data_ptr() != piece.data_ptr():
             out.copy_(piece)
     if n == 1:
-        return _finish([], async_op)
-    described = {"op": "all_to_all", "tag": tag, "nbytes": sum(_nbytes(t) for p in outs for t in p), "group": group}
+        return finish([], async_op)
+    described = {"op": "all_to_all", "tag": tag, "nbytes": sum(nbytes_of(t) for p in outs for t in p), "group": group}
     if dist.get_backend(group) != "gloo" and all(len(p) == 1 for p in outs + ins):
         work = dist.all_to_all([p[0] for p in outs], [p[0] for p in ins], group=group, async_op=True)
-        return _finish([work], async_op, **described)
+        return finish([work], async_op, **described)
     ops = []
     for peer in (q for q in range(n) if q != me):
         ops += [dist.P2POp(dist.isend, t, global_rank(peer, group), group) for t in ins[peer] if t.numel()]
         ops += [dist.P2POp(dist.irecv, t, global_rank(peer, group), group) for t in outs[peer] if t.numel()]
     if dist.get_backend(group) != "gloo":
-        return _finish(dist.batch_isend_irecv(ops) if ops else [], async_op, **described)
-    return _finish([op.op(op.tensor, op.peer, group=op.group) for op in ops], async_op, **described)
+        return finish(dist.batch_isend_irecv(ops) if ops else [], async_op, **described)
+    return finish([op.op(op.tensor, op.peer, group=op.group) for op in ops], async_op, **described)
 
 
 def send(tensor: Tensor, dst: int, *, group: Any = None, tag: str = "") -> Handle:
     """Start sending ``tensor`` to global rank ``dst`` (point to point); ``tensor`` must stay untouched until the
     returned handle has been waited on. The ledger records ``("send", tag, bytes)``."""
-    LEDGER.record("send", tag, _nbytes(tensor))
+    LEDGER.record("send", tag, nbytes_of(tensor))
     works = [dist.isend(tensor, dst, group=group)]
-    return _finish(works, True, op="send", tag=tag, nbytes=_nbytes(tensor), group=group)  # type: ignore[return-value]
+    return finish(works, True, op="send", tag=tag, nbytes=nbytes_of(tensor), group=group)  # type: ignore[return-value]
 
 
 def recv(tensor: Tensor, src: int, *, group: Any = None, tag: str = "") -> Handle:
     """Start receiving into ``tensor`` from global rank ``src``; it holds the data once the handle has been waited
     on. The ledger records ``("recv", tag, bytes)``."""
-    LEDGER.record("recv", tag, _nbytes(tensor))
+    LEDGER.record("recv", tag, nbytes_of(tensor))
     works = [dist.irecv(tensor, src, group=group)]
-    return _finish(works, True, op="recv", tag=tag, nbytes=_nbytes(tensor), group=group)  # type: ignore[return-value]
+    return finish(works, True, op="recv", tag=tag, nbytes=nbytes_of(tensor), group=group)  # type: ignore[return-value]
 
 
 def gather_object(obj: Any, dst: int = 0, *, group: Any = None, tag: str = "") -> list[Any] | None:
@@ -526,7 +371,7 @@ def all_gather_stack(tensor: Tensor, *, group: Any = None, sync_grads: bool = Fa
 
     With ``sync_grads=True`` the result is differentiable (gradients flow back to each rank's input).
     """
-    LEDGER.record("all_gather", tag, _nbytes(tensor) * world_size(group))
+    LEDGER.record("all_gather", tag, nbytes_of(tensor) * world_size(group))
     if sync_grads:
         from torch.distributed.nn.functional import all_gather as differentiable_all_gather
 

@@ -21,7 +21,7 @@ later chunks are still on the wire. Reduction (phase 1) thus overlaps transfer i
 
 **Why it exists beside the backend's all-reduce.** ``dist.all_reduce`` is a black box whose algorithm depends on
 the backend, its version and the message size (gloo picks among ring, bcube and halving-doubling; NCCL among ring
-and tree). Owning one makes the wire bytes visible in :data:`~lightning_zero.comm.collectives.LEDGER` (each
+and tree). Owning one makes the wire bytes visible in :data:`~lightning_zero.comm.ledger.LEDGER` (each
 step's send is recorded as ``("send", tag, bytes)``, next to the usual ``("all_reduce", tag, input bytes)``), gives
 a reference to measure the backend against, and a place to change the algorithm (chunk size, reduction order,
 compression) without a custom backend. It is selected with ``collectives.all_reduce(..., algorithm="ring")``; the
@@ -40,7 +40,8 @@ from typing import Any
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_zero.comm.collectives import _LOCAL_REDUCE, LEDGER, rank, world_size
+from lightning_zero.comm.groups import LOCAL_REDUCE, rank, world_size
+from lightning_zero.comm.ledger import LEDGER
 
 CHUNK_BYTES = 2**20
 """Default largest point-to-point message of :func:`ring_all_reduce` (one chunk of a segment).
@@ -51,7 +52,7 @@ pipelining) 43; native ``dist.all_reduce`` 28. Small chunks pay a per-message co
 serialises transfer and reduction.
 """
 
-_COMBINE: dict[str, Callable[[Tensor, Tensor], Any]] = {**_LOCAL_REDUCE, "product": Tensor.mul_}
+_COMBINE: dict[str, Callable[[Tensor, Tensor], Any]] = {**LOCAL_REDUCE, "product": Tensor.mul_}
 """In-place ``out = out (op) received`` per reduce op name."""
 
 
@@ -99,6 +100,13 @@ def ring_send_bytes(numel: int, element_size: int, world_size: int, rank: int) -
     return sent * element_size
 
 
+def _wait(work: dist.Work | None) -> None:
+    """Wait for a point-to-point transfer; ``None`` is what torch returns to a rank outside the group (never here:
+    the ring's peers are in it)."""
+    if work is not None:
+        work.wait()
+
+
 def ring_all_reduce(
     tensor: Tensor,
     op: str = "sum",
@@ -142,11 +150,11 @@ def ring_all_reduce(
         ]
         sends = [dist.isend(flat[lo:hi], right, group=group) for lo, hi in chunk_bounds(send_lo, send_hi, chunk_numel)]
         for lo, hi, work in received:
-            work.wait()
+            _wait(work)
             if reducing:  # overlaps the transfer of the chunks after this one
                 combine(flat[lo:hi], scratch[lo - recv_lo : hi - recv_lo])
         for work in sends:
-            work.wait()
+            _wait(work)
     if op in ("avg", "mean"):
         flat.div_(n)
     if not tensor.is_contiguous():

@@ -31,7 +31,8 @@ from typing import Any
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_zero.comm.powersgd import CHECKPOINT_KEY, PowerSGDCompressor, PowerSGDConfig
+from lightning_zero.comm.powersgd import CHECKPOINT_KEY, PowerSGDCompressor
+from lightning_zero.comm.powersgd_config import PowerSGDConfig
 from lightning_zero.dp.reducer import GradientReducer
 from lightning_zero.optim.sharding import restart_on_zero_grad, toggled_off
 from lightning_zero.training.precision import MasterWeights, PrecisionPolicy

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -57,33 +56,11 @@ from lightning_zero.comm import collectives as comm
 from lightning_zero.comm import watchdog
 from lightning_zero.comm.bucketing import assign_buckets
 from lightning_zero.comm.powersgd import PowerSGDCompressor
+from lightning_zero.dp.buckets import GradBucket, dense_grad
 from lightning_zero.dp.unused import unused_error
 
 POOL_SIZE = 2
 """Pool buffers of a transient reducer: one bucket filling while the previous one is reduced."""
-
-
-def dense_grad(grad: Tensor) -> Tensor:
-    """``grad`` as a dense tensor: a sparse gradient (``nn.Embedding(sparse=True)``) enters the dense buckets and
-    shards as its dense equal, so an optimizer that takes both (SGD, Adagrad) steps as under ``ddp``."""
-    return grad.to_dense() if grad.is_sparse else grad
-
-
-@dataclass
-class GradBucket:
-    """One bucket: its members (indices into the reducer's parameter list) and where each sits in the buffer.
-
-    ``numel`` may exceed the members' total (ZeRO pads the last bucket of a flat group); the extra is zero.
-    ``buffer`` is ``None`` while a transient bucket holds no gradient.
-    """
-
-    indices: tuple[int, ...]
-    offsets: tuple[int, ...]
-    numel: int
-    dtype: torch.dtype
-    device: torch.device
-    buffer: Tensor | None = None
-    views: list[Tensor] = field(default_factory=list)
 
 
 class GradientReducer:

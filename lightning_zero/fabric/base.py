@@ -44,9 +44,10 @@ class _EngineNoSync(_BackwardSyncControl):
 class ScratchFabricStrategy(DistributedPlumbing, ParallelStrategy):
     """Multi-process, one-device-per-process Fabric strategy base.
 
+    ``accelerator``, ``parallel_devices``, ``cluster_environment``, ``checkpoint_io`` and ``precision`` are those of
+    Fabric's ``DDPStrategy``; Fabric fills them in.
+
     Args:
-        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision: as in Fabric's
-            ``DDPStrategy``; Fabric fills them in.
         **settings: ``process_group_backend``, ``timeout``, ``collective_timeout``, ``start_method``,
             ``find_unused_parameters``, ``broadcast_buffers`` (rank 0's buffers broadcast before a forward whose
             previous forward ran with gradients enabled outside ``no_backward_sync``, as torch DDP does),

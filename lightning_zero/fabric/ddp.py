@@ -24,7 +24,8 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_zero.comm.powersgd import CHECKPOINT_KEY, compression_config
+from lightning_zero.comm.powersgd import CHECKPOINT_KEY
+from lightning_zero.comm.powersgd_config import compression_config
 from lightning_zero.dp.engine import DataParallelEngine
 from lightning_zero.fabric.base import ScratchFabricStrategy
 from lightning_zero.training.distributed import DDP_NAMES, check_bucket_size
@@ -35,8 +36,9 @@ class ScratchDDPStrategy(ScratchFabricStrategy):
 
     Args:
         bucket_size_mb: cap of one gradient bucket in MiB (> 0).
-        grad_compression, powersgd: gradient compression, as for the Trainer's
+        grad_compression: gradient compression (``None`` or ``"powersgd"``), as for the Trainer's
             :class:`~lightning_zero.strategies.ddp.ScratchDDPStrategy`.
+        powersgd: PowerSGD's settings, as for the Trainer's strategy.
         **kwargs: see :class:`~lightning_zero.fabric.base.ScratchFabricStrategy`.
     """
 

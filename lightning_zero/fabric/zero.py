@@ -32,7 +32,7 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_zero.comm.powersgd import refuse_on_zero
+from lightning_zero.comm.powersgd_config import refuse_on_zero
 from lightning_zero.fabric.base import ScratchFabricStrategy
 from lightning_zero.training.distributed import ZERO_NAMES
 from lightning_zero.training.precision import DEFAULT

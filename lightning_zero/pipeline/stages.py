@@ -14,12 +14,14 @@ its samples (the usual ``reduction="mean"``).
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 
 def partition(num_layers: int, stages: int, balance: Sequence[int] | None = None) -> list[range]:
@@ -37,6 +39,21 @@ def partition(num_layers: int, stages: int, balance: Sequence[int] | None = None
         raise ValueError(f"balance={balance} sums to {sum(balance)}: expected the {num_layers} layers of the pipeline")
     starts = [sum(balance[:s]) for s in range(stages)]
     return [range(start, start + n) for start, n in zip(starts, balance)]
+
+
+def find_layers(module: nn.Module, path: str) -> nn.Sequential:
+    """The pipelined ``nn.Sequential`` of ``module`` at the attribute path ``path`` (dotted for a nested one)."""
+    try:
+        layers = operator.attrgetter(path)(module)
+    except AttributeError:
+        layers = None
+    if not isinstance(layers, nn.Sequential):
+        raise TypeError(
+            f"pipeline_scratch: {type(module).__name__}.{path} is {type(layers).__name__}: expected the nn.Sequential"
+            " whose children the stages split (the strategy's `layers` setting names it, or the module's"
+            " `pipeline_layers`)"
+        )
+    return layers
 
 
 def check_parameters(module: nn.Module, layers_name: str, layers: nn.Sequential, slices: list[range]) -> None:
@@ -57,6 +74,18 @@ def check_parameters(module: nn.Module, layers_name: str, layers: nn.Sequential,
                         f"pipeline_scratch: parameter {layers_name}.{i}.{name} is shared by stages {owner[id(p)]} and"
                         f" {s} (tied weights): a pipeline cannot tie parameters across stages"
                     )
+
+
+def check_batch_statistics(layers: nn.Sequential, layers_name: str, micro_batches: int) -> None:
+    """A BatchNorm normalizes each micro-batch by that micro-batch's statistics: refused when a batch is cut."""
+    found = [f"{layers_name}.{n}" for n, m in layers.named_modules() if isinstance(m, _BatchNorm)]
+    if found and micro_batches > 1:
+        raise ValueError(
+            f"pipeline_scratch: {found} normalize each micro-batch by its own statistics, so with"
+            f" micro_batches={micro_batches} the training differs from a run on whole batches: use"
+            " micro_batches=1 (data-parallel replicas of the pipeline still help) or a normalization without batch"
+            " statistics (LayerNorm, GroupNorm)"
+        )
 
 
 def batch_size(batch: Any) -> int:

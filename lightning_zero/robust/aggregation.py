@@ -34,17 +34,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_zero.robust.aggregators import (
-    RULES,
-    check_known,
-    check_rule,
-    drop_nonfinite,
-    sq_distance_to_mean,
-    unfiltered,
-)
+from lightning_zero.robust.aggregators import RULES, check_rule
 from lightning_zero.robust.attacks import ATTACKS, apply_attack, check_attack
 from lightning_zero.robust.preaggregators import PRE_AGGREGATORS, check_pre_aggregator
 from lightning_zero.robust.shards import ColumnShard
+from lightning_zero.robust.stack import check_known, drop_nonfinite, sq_distance_to_mean, unfiltered
 
 StageSpec = str | Mapping[str, Any]
 """A pre-aggregator: its name, or a mapping with ``name`` and its parameters (``{"name": "bucketing", "s": 2}``)."""

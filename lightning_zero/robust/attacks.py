@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_zero.robust.aggregators import _acc_dtype, _check_stack, check_known, check_n, mean_of_rows
+from lightning_zero.robust.stack import acc_dtype, check_known, check_n, check_stack, mean_of_rows
 
 Columns = tuple[tuple[tuple[int, int], ...], int]
 """``(ranges, width)``: the columns of ``width``-wide vectors a column shard holds."""
@@ -92,7 +92,7 @@ def _gaussian(
         raise ValueError("attack='gaussian' needs a torch.Generator: randomness comes only from an explicit generator")
     # On a column shard every rank draws the whole vectors and keeps its columns: the same draws in any layout.
     ranges, width = columns if columns is not None else (((0, x.shape[1]),), x.shape[1])
-    draw = torch.randn((len(byzantine), width), generator=generator, dtype=_acc_dtype(x), device=generator.device)
+    draw = torch.randn((len(byzantine), width), generator=generator, dtype=acc_dtype(x), device=generator.device)
     kept = torch.cat([draw[:, lo:hi] for lo, hi in ranges], dim=1) if ranges else draw[:, :0]
     return (std * kept).to(dtype=x.dtype, device=x.device)
 
@@ -235,7 +235,7 @@ def apply_attack(
             draws whole vectors and keeps these columns.
         kwargs: the attack's parameters.
     """
-    _check_stack(x)
+    check_stack(x)
     check_attack(name, x.shape[0], byzantine, **kwargs)
     out = x.clone()
     rows = list(byzantine)

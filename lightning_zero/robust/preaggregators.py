@@ -11,7 +11,7 @@ Runbook::
     vector = RULES["trimmed_mean"].fn(stack, f)
 
 These functions do NOT drop non-finite rows themselves: the caller drops them (and lowers ``f``) with
-:func:`~lightning_zero.robust.aggregators.drop_nonfinite` before the first pre-aggregator, because a NaN row mixed
+:func:`~lightning_zero.robust.stack.drop_nonfinite` before the first pre-aggregator, because a NaN row mixed
 into others (``nnm``, ``bucketing``) would spoil honest rows. ``x`` is never modified; the result has its dtype and
 device; distances and norms are accumulated in at least float32. ``nnm`` and ``clip`` take ``total`` to run on a column
 shard (see :mod:`~lightning_zero.robust.aggregators`); ``bucketing`` is coordinate-wise.
@@ -28,15 +28,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_zero.robust.aggregators import (
+from lightning_zero.robust.stack import (
     Total,
-    _acc_dtype,
-    _check_f,
-    _check_stack,
-    _pairwise_sq_dists,
-    _row_norms,
+    acc_dtype,
+    check_f,
     check_known,
     check_n_f,
+    check_stack,
+    pairwise_sq_dists,
+    row_norms,
     whole,
 )
 
@@ -55,18 +55,18 @@ def nnm(x: Tensor, f: int, total: Total = whole) -> Tensor:
     """Nearest-neighbour mixing (Allouah et al., 2023): each row becomes the mean of its ``n - f`` nearest rows.
 
     A row counts as its own neighbour (distance 0); equal distances go to the lower row index. Distances are exact
-    squared Euclidean ones (see :func:`~lightning_zero.robust.aggregators.krum_scores`). ``f = 0`` turns every row into
-    the overall mean. Needs ``n > 2f`` (:func:`check_pre_aggregator`).
+    squared Euclidean ones (see :func:`~lightning_zero.robust.distance_rules.krum_scores`). ``f = 0`` turns every row
+    into the overall mean. Needs ``n > 2f`` (:func:`check_pre_aggregator`).
     """
-    _check_stack(x)
-    _check_f(f)
+    check_stack(x)
+    check_f(f)
     n = x.shape[0]
     k = n - f
     if k < 1:
         raise ValueError(f"nnm with n={n}, f={f} has no neighbour to mix: it needs n >= 2f+1 = {2 * f + 1}")
-    neighbours = torch.sort(_pairwise_sq_dists(x, total), dim=1, stable=True).indices[:, :k]
+    neighbours = torch.sort(pairwise_sq_dists(x, total), dim=1, stable=True).indices[:, :k]
     # a (n, n) mixing matrix rather than x[neighbours].mean(1): that would materialise n * k copies of d
-    acc = _acc_dtype(x)
+    acc = acc_dtype(x)
     mixing = torch.zeros(n, n, dtype=acc, device=x.device)
     mixing.scatter_(1, neighbours, 1.0 / k)
     return (mixing @ x.to(acc)).to(x.dtype)
@@ -80,7 +80,7 @@ def bucketing(x: Tensor, s: int, *, generator: torch.Generator) -> Tensor:
     ``s = 1`` only permutes the rows. Each Byzantine row spoils at most one bucket, so the next stage still sees at
     most ``f`` bad rows, among fewer and less noisy ones.
     """
-    _check_stack(x)
+    check_stack(x)
     _check_s("bucketing", s)
     n, d = x.shape
     perm = torch.randperm(n, generator=generator, device=generator.device).to(x.device)
@@ -94,9 +94,9 @@ def bucketing(x: Tensor, s: int, *, generator: torch.Generator) -> Tensor:
 
 def clip(x: Tensor, c: float, total: Total = whole) -> Tensor:
     """Scale every row with norm above ``c`` down to norm ``c``; rows with norm ``<= c`` are returned unchanged."""
-    _check_stack(x)
+    check_stack(x)
     _check_c("clip", c)
-    norms = _row_norms(x.to(_acc_dtype(x)), total)
+    norms = row_norms(x.to(acc_dtype(x)), total)
     scale = torch.where(norms > c, c / norms, torch.ones_like(norms))
     return x * scale.to(x.dtype)[:, None]
 

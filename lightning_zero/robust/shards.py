@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from lightning_zero.robust.aggregators import Total, whole
+from lightning_zero.robust.stack import Total, whole
 from lightning_zero.zero.partition import flat_layout, shard_ranges
 
 

@@ -2,10 +2,8 @@
 
 What a subclass inherits:
 
-- **Launching** like Lightning's ``ddp``: ``start_method="popen"`` re-runs the script once per extra local rank,
-  ``"spawn"``/``"fork"``/``"forkserver"`` start workers with :mod:`torch.multiprocessing`. When the processes are
-  created outside (``torchrun``, SLURM), Lightning's cluster environment says so and nothing is launched.
-- **The process group** from that cluster environment, backend ``gloo`` on CPU and ``nccl`` on CUDA unless
+- **Launching** like Lightning's ``ddp`` (:mod:`lightning_zero.strategies.launcher`).
+- **The process group** from Lightning's cluster environment, backend ``gloo`` on CPU and ``nccl`` on CUDA unless
   ``process_group_backend`` says otherwise.
 - ``is_distributed = True``, so Lightning injects a ``DistributedSampler`` into every loader.
 - ``reduce``/``all_gather``/``broadcast``/``barrier`` through :mod:`lightning_zero.comm.collectives`, which is what
@@ -41,7 +39,6 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.seed import reset_seed
@@ -49,13 +46,15 @@ from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.layer_sync import LayerSync, TorchSyncBatchNorm
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from typing_extensions import override
 
 from lightning_zero.comm import collectives as comm
 from lightning_zero.comm import watchdog
+from lightning_zero.strategies import trainable
+from lightning_zero.strategies.launcher import SpawnLauncher
 from lightning_zero.training import activation_checkpointing, faults
 from lightning_zero.training.checkpoint_checks import check_shapes, reading, shapes_of
 from lightning_zero.training.distributed import (
@@ -67,56 +66,20 @@ from lightning_zero.training.precision import (
     DEFAULT,
     PrecisionPolicy,
 )
-from lightning_zero.training.preemption import Preempted
 from lightning_zero.training.sync_batchnorm import ScratchSyncBatchNorm
 
 log = logging.getLogger(__name__)
-
-
-class SpawnLauncher(_MultiProcessingLauncher):
-    """Lightning's spawn launcher, with each worker's process group destroyed before the worker exits.
-
-    A worker that exits with its gloo process group alive was measured to abort now and then ("terminate called
-    without an active exception", SIGABRT) while the interpreter shuts down, failing a ``trainer.validate`` that
-    itself succeeded; it happened in sweeps of spawn jobs under load.
-
-    A worker that stops on preemption (:class:`~lightning_zero.training.preemption.Preempted`) hands that to the
-    main process, which raises it in turn: Lightning's launcher would otherwise wait forever for rank 0's results.
-    """
-
-    @override
-    def _wrapping_function(
-        self,
-        process_idx: int,
-        trainer: Any,
-        function: Any,
-        args: Any,
-        kwargs: Any,
-        return_queue: Any,
-        global_states: Any = None,
-    ) -> None:
-        try:
-            super()._wrapping_function(process_idx, trainer, function, args, kwargs, return_queue, global_states)
-        except Preempted as preempted:
-            if process_idx == 0:
-                return_queue.put(preempted)
-        finally:
-            if dist.is_available() and dist.is_initialized():
-                dist.destroy_process_group()
-
-    @override
-    def _recover_results_in_main_process(self, worker_output: Any, trainer: pl.Trainer) -> None:
-        if isinstance(worker_output, Preempted):
-            raise worker_output
-        super()._recover_results_in_main_process(worker_output, trainer)
 
 
 class ScratchParallelStrategy(DistributedPlumbing, ParallelStrategy):
     """Multi-process, one-device-per-process strategy base: launching, process group and collectives.
 
     Args:
-        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: as in Lightning's
-            ``DDPStrategy``; the Trainer fills them in.
+        accelerator: as in Lightning's ``DDPStrategy``; the Trainer fills it (and the next four) in.
+        parallel_devices: the devices of this node's processes, one each.
+        cluster_environment: where the processes and their ranks come from (``torchrun``, SLURM, ...).
+        checkpoint_io: what writes and reads the checkpoint files.
+        precision_plugin: the Trainer's ``precision`` as a plugin.
         process_group_backend: ``"gloo"``, ``"nccl"``, ``"mpi"`` or ``"ucc"``; default ``gloo`` on CPU and ``nccl``
             on CUDA.
         timeout: the process group's timeout (a ``timedelta`` or seconds): what bounds every collective that
@@ -131,9 +94,10 @@ class ScratchParallelStrategy(DistributedPlumbing, ParallelStrategy):
             used in an optimizer step is left untouched by that step (its gradient stays ``None``). Off (default): such
             a parameter raises an error naming it.
         broadcast_buffers: re-broadcast rank 0's buffers as torch DDP does ([Note: buffer broadcast]).
-        param_dtype, reduce_dtype: ``"bf16"``, ``"fp16"``, ``"fp32"``, a torch dtype, ``None`` (the module's own
-            dtype) or ``"auto"`` (default: from the Trainer's ``precision``); see [Note: precision policy] in
-            ``lightning_zero/training/precision.py``.
+        param_dtype: the dtype parameters are communicated and computed in: ``"bf16"``, ``"fp16"``, ``"fp32"``, a torch
+            dtype, ``None`` (the module's own dtype) or ``"auto"`` (default: from the Trainer's ``precision``); see
+            [Note: precision policy] in ``lightning_zero/training/precision.py``.
+        reduce_dtype: the dtype gradients are averaged in across ranks; the same choices as ``param_dtype``.
         master_weights: under low precision, let the optimizer update fp32 master copies (default) instead of the
             low-precision parameters themselves.
         cast_module: under ``-mixed``, keep the module's parameters and floating-point buffers in the low-precision
@@ -339,27 +303,16 @@ class ScratchParallelStrategy(DistributedPlumbing, ParallelStrategy):
     # ------------------------------------------------------------ parameters unfrozen (or frozen) during a fit
     def _record_trainable(self) -> None:
         """At setup: the parameters the gradient engine was built for."""
-        module = self.lightning_module
-        self._trainable_ids = {id(p) for p in module.parameters() if p.requires_grad} if module is not None else set()
+        self._trainable_ids = trainable.trainable_ids(self.lightning_module)
 
     def _check_trainable(self) -> None:
         """Before each training step: has a callback (``BackboneFinetuning``) or the user changed ``requires_grad``?"""
-        module, recorded = self.lightning_module, self._trainable_ids
-        if module is None or recorded is None:
-            return
-        changed = [n for n, p in module.named_parameters() if p.requires_grad != (id(p) in recorded)]
-        if changed:
-            self._trainable_changed(changed)
+        if names := trainable.changed(self.lightning_module, self._trainable_ids):
+            self._trainable_changed(names)
 
     def _trainable_changed(self, names: list[str]) -> None:
         """React to parameters whose ``requires_grad`` changed since setup (``names``); by default refuse."""
-        raise RuntimeError(
-            f"{self.strategy_name}: the parameters {names} changed requires_grad after the fit started (e.g."
-            " BackboneFinetuning unfreezing a backbone), but this strategy shards or aggregates the gradients and"
-            " optimizer state of the parameters that were trainable at setup only. Declare them trainable from the"
-            " start (requires_grad=True, in their own optimizer param group with lr=0 until they should train), or"
-            " use ddp_scratch, which follows such changes."
-        )
+        raise trainable.refusal(self.strategy_name, names)
 
     # ------------------------------------------------------------ gradient accumulation
     @contextmanager

@@ -35,7 +35,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_zero.comm.powersgd import compression_config
+from lightning_zero.comm.powersgd_config import compression_config
 from lightning_zero.dp.engine import DataParallelEngine
 from lightning_zero.dp.reducer import GradientReducer
 from lightning_zero.strategies.base import ScratchParallelStrategy
@@ -48,7 +48,7 @@ class ScratchDDPStrategy(ScratchParallelStrategy):
     Args:
         bucket_size_mb: cap of one gradient bucket in MiB (> 0). 25 balances overlap against per-call overhead.
         grad_compression: ``None`` (the plain average) or ``"powersgd"``.
-        powersgd: PowerSGD's options (:class:`~lightning_zero.comm.powersgd.PowerSGDConfig`: ``rank``,
+        powersgd: PowerSGD's options (:class:`~lightning_zero.comm.powersgd_config.PowerSGDConfig`: ``rank``,
             ``start_iter``, ``min_compression_rate``, ``warm_start``, ``error_feedback``, ``seed``,
             ``orthogonalization_epsilon``; torch's defaults), with ``grad_compression="powersgd"`` only. Not with a
             ``reduce_dtype`` other than ``"auto"``/``None``.

@@ -29,19 +29,11 @@ placeholders] in ``lightning_zero/pipeline/placement.py``); with ``model_init="m
 ``configure_model`` are never allocated whole on any rank ([Note: meta initialisation] in
 ``lightning_zero/zero/stage3/materialize.py``).
 
-**What a training step does.** Lightning calls the strategy's ``training_step`` once per batch. The batch is cut into
-``micro_batches`` pieces (``lightning_zero/pipeline/stages.py``) and this rank runs its part of the schedule
-(``lightning_zero/pipeline/schedule.py``) with :class:`~lightning_zero.pipeline.runtime.PipelineStage`, calling the
-module's ``training_step`` once per micro-batch ([Note: running the user's step] there). The strategy runs every
-backward inside that step, each micro-batch's loss weighted by its share of the batch and divided by
-``accumulate_grad_batches`` as Lightning divides a loss; the ``backward`` Lightning then asks for only runs its hooks.
-So automatic optimization, gradient accumulation, LR schedulers and clipping work as under ``ddp``; norm clipping
-uses the global norm over every stage.
-
-**Logging.** ``self.log`` calls inside the steps are recorded per micro-batch on the last stage (where the loss is),
-combined as the size-weighted mean over the micro-batches (the batch's value for a per-sample mean such as a mean
-loss or accuracy; ``batch_size`` summed), sent to every rank, and logged there once per batch. A ``Metric`` object
-cannot be combined that way and is refused. The step's returned loss is the batch's loss on every rank.
+**What a step does** (``lightning_zero/pipeline/step.py``): the batch is cut into ``micro_batches`` pieces, this rank
+runs its part of the schedule calling the module's step once per micro-batch, and the last stage's loss, logged values
+and outputs, combined over the micro-batches, are logged and returned on every rank once per batch. The strategy runs
+every backward inside the training step, so automatic optimization, gradient accumulation, LR schedulers and clipping
+work as under ``ddp``; norm clipping uses the global norm over every stage.
 
 **Validation, test, predict** run the forwards of the micro-batches through the stages the same way; ``predict_step``
 outputs are concatenated (tensors) or listed per micro-batch, on every rank.
@@ -55,13 +47,9 @@ rank per replica. The logged values are each replica's (``sync_dist`` averages t
 (BatchNorm statistics) follow ``ddp``'s rule: before a forward that follows a gradient-synchronising one, each stage
 takes the first replica's (``broadcast_buffers=False`` turns it off).
 
-**Checkpoints** (``trainer.save_checkpoint`` is collective, as ``ModelCheckpoint`` calls it) are Lightning's plain
-files by default (``state_dict_type="full"``), in the unsplit model's layout: rank 0 gathers every stage's weights and
-optimizer state. With ``state_dict_type="sharded"`` nothing is gathered: each rank writes its stage's weights and
-optimizer state, keyed by parameter name, into a directory ([Note: sharded model-parallel checkpoints] in
-``lightning_zero/strategies/model_parallel.py``). A resume loads either kind (whatever ``state_dict_type``) after the
-stages are built, at any number of stages, balance or replicas: each rank keeps its stage's part of a file, and reads
-only its stage's tensors of a directory. After a fit every rank gets the whole weights back (as under ``ddp``).
+**Checkpoints** are Lightning's plain files of the unsplit model (``state_dict_type="full"``, default) or a
+directory of each stage's (``"sharded"``); either loads at any layout (``lightning_zero/strategies/pipeline_state.py``).
+After a fit every rank gets the whole weights back (as under ``ddp``).
 
 Not supported (refused with an error): BatchNorm layers with ``micro_batches > 1`` (each micro-batch would be
 normalized by its own statistics), ``16-mixed`` (its loss scaler would have to scale the pipeline's backward),
@@ -72,7 +60,6 @@ a one-process run's.
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Generator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -83,24 +70,19 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor, nn
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.nn.modules.batchnorm import _BatchNorm
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero.comm import collectives as comm
 from lightning_zero.pipeline import placement
-from lightning_zero.pipeline.outputs import LogRecorder, combine_logs, concatenate, to_device, weighted_loss
+from lightning_zero.pipeline.gradients import average_gradients, clip_grad_by_global_norm
+from lightning_zero.pipeline.outputs import to_device
 from lightning_zero.pipeline.runtime import PipelineStage
-from lightning_zero.pipeline.schedule import SCHEDULES, Action, build, check_pipeline
-from lightning_zero.pipeline.stages import check_parameters, partition, split_batch
-from lightning_zero.strategies.model_parallel import (
-    ModelParallelStrategy,
-    by_position,
-    check_state_dict_type,
-    optimizer_state_template,
-    parameter_names,
-    rekey_optimizer_state,
-)
+from lightning_zero.pipeline.schedule import SCHEDULES, check_pipeline
+from lightning_zero.pipeline.stages import check_batch_statistics, check_parameters, find_layers, partition
+from lightning_zero.pipeline.step import HeldGradients, run_step, share_results
+from lightning_zero.strategies.model_parallel import ModelParallelStrategy, check_state_dict_type
+from lightning_zero.strategies.pipeline_state import StageState
 from lightning_zero.training.distributed import PIPELINE_NAMES
 from lightning_zero.training.mesh import new_groups
 from lightning_zero.zero.stage3.materialize import build_meta_modules, has_meta_tensors, rng_state
@@ -167,7 +149,7 @@ class PipelineStrategy(ModelParallelStrategy):
         self.stage: PipelineStage | None = None
         self._slices: list[range] = []
         self._init_rng_state: dict[str, Tensor] | None = None
-        self._step_grads: list[tuple[Tensor, Tensor | None]] = []
+        self._held = HeldGradients()
 
     @property
     @override
@@ -206,17 +188,7 @@ class PipelineStrategy(ModelParallelStrategy):
         return "pipeline_layers" if hasattr(self.lightning_module, "pipeline_layers") else "layers"
 
     def _layers(self) -> nn.Sequential:
-        try:
-            layers = operator.attrgetter(self._layers_path)(self.lightning_module)
-        except AttributeError:
-            layers = None
-        if not isinstance(layers, nn.Sequential):
-            raise TypeError(
-                f"pipeline_scratch: {type(self.lightning_module).__name__}.{self._layers_path} is"
-                f" {type(layers).__name__}: expected the nn.Sequential whose children the stages split (the"
-                " strategy's `layers` setting names it, or the module's `pipeline_layers`)"
-            )
-        return layers
+        return find_layers(self.lightning_module, self._layers_path)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -233,7 +205,7 @@ class PipelineStrategy(ModelParallelStrategy):
         self._slices = partition(len(layers), self.mesh.model_size, self.balance)
         check_parameters(module, self._layers_path, layers, self._slices)
         if fitting:
-            self._check_batch_statistics(layers)
+            check_batch_statistics(layers, self._layers_path, self.micro_batches)
         self.precision_plugin.convert_module(self.model)
         mine = self._slices[index]
         others = [layers[i] for s, indices in enumerate(self._slices) if s != index for i in indices]
@@ -274,65 +246,31 @@ class PipelineStrategy(ModelParallelStrategy):
         super().teardown()
 
     # ------------------------------------------------------------ steps
-    def _actions(self, training: bool, micro_batches: int) -> list[Action]:
-        if not training:
-            return [Action("F", m) for m in range(micro_batches)]
-        assert self.groups is not None
-        return build(self.schedule, self.mesh.model_size, micro_batches)[self.groups.index]
-
-    def _run(
-        self, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any], training: bool
-    ) -> tuple[list[Any], list[tuple[float, dict[str, Any]]], list[float]]:
-        """Run ``hook`` (a LightningModule step) through the pipeline on the micro-batches of ``args[0]``: the last
-        stage's outputs and its ``self.log`` calls in micro-batch order, and the micro-batches' weights."""
-        assert self.stage is not None, "setup() builds the stage"
+    def _step(self, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any], training: bool) -> Any:
+        """Run ``hook`` through the pipeline (:func:`~lightning_zero.pipeline.step.run_step`), then on every rank
+        log the last stage's combined values and return its combined output."""
+        assert self.stage is not None and self.groups is not None, "setup() builds the stage"
         module = self.lightning_module
-        pieces = split_batch(args[0], self.micro_batches)
-        user_step = getattr(module, hook)
-        recorder = LogRecorder()
-
-        def step(piece: Any) -> Any:
-            recorder.weight = next(w for p, w in pieces if p is piece)
-            return user_step(piece, *args[1:], **kwargs)
-
-        scale = 1.0 / module.trainer.accumulate_grad_batches if training else 1.0
-        module.log = recorder.record  # type: ignore[method-assign]  # an instance attribute: log_dict calls it too
-        params = [p for p in module.parameters() if p.requires_grad and not p.is_meta] if training else []
-        earlier = [p.grad for p in params]
-        for p in params:
-            p.grad = None
-        try:
-            with self.precision_plugin.train_step_context() if training else _eval_context(self, hook):
-                outputs = self.stage.run(self._actions(training, len(pieces)), pieces, step, loss_scale=scale)
-        finally:
-            del module.log
-            # [Note: gradients held for backward] Lightning zeroes the gradients *between* the training step and
-            # the backward (at the start of an accumulation window): this step's gradients wait aside until
-            # ``backward`` adds them, as the backward Lightning expects would.
-            self._step_grads = [(p, p.grad) for p in params]
-            for p, grad in zip(params, earlier):
-                p.grad = grad
-        return outputs, recorder.calls, [w for _, w in pieces]
-
-    def _finish(self, run: tuple[list[Any], list[tuple[float, dict[str, Any]]], list[float]], training: bool) -> Any:
-        """On every rank: log the last stage's combined values and return its combined output."""
-        outputs, recorded, weights = run
-        assert self.groups is not None
-        last, group = self.groups.model_ranks[-1], self.groups.model_group
-        payload = None
-        if self.global_rank == last:
-            payload = (weighted_loss(outputs, weights) if training else concatenate(outputs), combine_logs(recorded))
-        result, logs = comm.broadcast_object(payload, last, group=group, tag="pipeline/outputs")
-        module = self.lightning_module
+        context = self.precision_plugin.train_step_context() if training else _eval_context(self, hook)
+        with self._buffer_sync():
+            run = run_step(
+                self.stage,
+                module,
+                hook,
+                args,
+                kwargs,
+                micro_batches=self.micro_batches,
+                schedule=self.schedule,
+                context=context,
+                held=self._held,
+                training=training,
+            )
+        last = self.groups.model_ranks[-1]
+        result, logs = share_results(run, training, last, self.groups.model_group, self.global_rank == last)
         for call in logs:
             value = call.pop("value")
             module.log(value=to_device(value, self.root_device), **call)
         return to_device(result, self.root_device)
-
-    def _step(self, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any], training: bool) -> Any:
-        with self._buffer_sync():
-            run = self._run(hook, args, kwargs, training)
-        return self._finish(run, training)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -353,15 +291,11 @@ class PipelineStrategy(ModelParallelStrategy):
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         """The pipeline ran the backward inside the training step: its gradients are added here, between the hooks
-        ([Note: gradients held for backward])."""
+        ([Note: gradients held for backward] in ``lightning_zero/pipeline/step.py``)."""
         assert self.lightning_module is not None
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
-        with torch.no_grad():  # [Note: gradients held for backward]
-            for p, grad in self._step_grads:
-                if grad is not None:
-                    p.grad = grad if p.grad is None else p.grad.add_(grad)
-        self._step_grads = []
+        self._held.add()  # [Note: gradients held for backward]
         if not self._backward_sync_blocked:
             self._average_gradients()
         closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
@@ -374,25 +308,8 @@ class PipelineStrategy(ModelParallelStrategy):
         assert self.groups is not None
         if self.mesh.data_size == 1:
             return
-        module = self.lightning_module
-        grads = [p.grad for p in module.parameters() if not p.is_meta and p.grad is not None]
-        if not grads:
-            return
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        comm.all_reduce(flat, "avg", group=self.groups.data_group, tag="grads")
-        for grad, averaged in zip(grads, flat.split([g.numel() for g in grads])):
-            grad.copy_(averaged.view_as(grad))
-
-    def _check_batch_statistics(self, layers: nn.Sequential) -> None:
-        """A BatchNorm normalizes each micro-batch by that micro-batch's statistics: refused when a batch is cut."""
-        found = [f"{self._layers_path}.{n}" for n, m in layers.named_modules() if isinstance(m, _BatchNorm)]
-        if found and self.micro_batches > 1:
-            raise ValueError(
-                f"pipeline_scratch: {found} normalize each micro-batch by its own statistics, so with"
-                f" micro_batches={self.micro_batches} the training differs from a run on whole batches: use"
-                " micro_batches=1 (data-parallel replicas of the pipeline still help) or a normalization without batch"
-                " statistics (LayerNorm, GroupNorm)"
-            )
+        grads = [p.grad for p in self.lightning_module.parameters() if not p.is_meta and p.grad is not None]
+        average_gradients(grads, self.groups.data_group)
 
     @override
     def _broadcast_buffers(self, module: nn.Module) -> None:
@@ -406,15 +323,9 @@ class PipelineStrategy(ModelParallelStrategy):
                 comm.broadcast(tensor, self.groups.data_ranks[0], group=self.groups.data_group, tag="buffers")
 
     def _clip_grad_by_global_norm(self, optimizer: Optimizer, clip_val: float) -> None:
-        """``clip_grad_norm_`` over the gradients of every stage: this stage's squared norms plus one all-reduce."""
-        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        norms = [torch.linalg.vector_norm(g, 2.0) for g in grads]
-        squares = torch.stack(norms).pow(2).sum() if norms else torch.zeros((), device=self.root_device)
+        """``clip_grad_norm_`` over the gradients of every stage (:mod:`lightning_zero.pipeline.gradients`)."""
         assert self.groups is not None
-        comm.all_reduce(squares, "sum", group=self.groups.model_group, tag="pipeline/grad_norm")
-        coef = torch.clamp(clip_val / (squares.sqrt() + 1e-6), max=1.0)
-        if grads:
-            torch._foreach_mul_(grads, coef.to(grads[0].device))
+        clip_grad_by_global_norm(optimizer, clip_val, self.groups.model_group, self.root_device)
 
     # ------------------------------------------------------------ checkpoints ([Note: stage placeholders])
     @property
@@ -438,70 +349,35 @@ class PipelineStrategy(ModelParallelStrategy):
         (:meth:`sharded_templates`)."""
         return True
 
+    def _state(self) -> StageState:
+        """The checkpoint state of this stage (:mod:`lightning_zero.strategies.pipeline_state`)."""
+        return StageState(self.lightning_module, self.groups, sharded=self.state_dict_type == "sharded")
+
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """This stage's weights (``"sharded"``), or every stage's gathered on rank 0 (``"full"``; the other ranks
-        return their own)."""
-        module = self.lightning_module
-        keys = placement.real_keys(module)
-        own = {k: v.detach().cpu() for k, v in module.state_dict().items() if k in keys}
-        gathered = self._gather_on_rank_zero(own) if self.state_dict_type == "full" else None
-        if gathered is None:
-            return own
-        return {k: v for state in gathered for k, v in state.items()}
+        """This stage's weights (``"sharded"``), or every stage's gathered on rank 0 (``"full"``)."""
+        return self._state().model_state()
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """The optimizer's state for this stage's parameters keyed by name (``"sharded"``), or for every stage's
-        gathered on rank 0 (``"full"``)."""
-        own = placement.select_optimizer_state(optimizer.state_dict(), placement.owned_positions(optimizer))
-        if self.state_dict_type == "sharded":
-            names = parameter_names(optimizer, self.lightning_module)
-            return rekey_optimizer_state(own, dict(enumerate(names)))
-        gathered = self._gather_on_rank_zero(own)
-        return placement.merge_optimizer_states(gathered) if gathered is not None else own
-
-    def _gather_on_rank_zero(self, obj: Any) -> list[Any] | None:
-        """Every stage's ``obj`` of the first replica on rank 0 (the replicas hold the same); ``None`` elsewhere."""
-        assert self.groups is not None
-        if self.groups.replica != 0:
-            return None
-        return comm.gather_object(obj, 0, group=self.groups.model_group, tag="pipeline/checkpoint")
+        """The optimizer's state for this stage's parameters by name (``"sharded"``), or every stage's on rank 0."""
+        return self._state().optimizer_state(optimizer)
 
     @override
     def sharded_templates(self, metadata: Metadata) -> dict[str, Any]:
-        """This stage's state-dict entries the checkpoint holds and, in a fit, each optimizer's state of this stage's
-        parameters, by name."""
-        module = self.lightning_module
-        keys, saved = placement.real_keys(module), metadata.state_dict_metadata
-        model = {k: torch.empty_like(v) for k, v in module.state_dict().items() if k in keys and f"model.{k}" in saved}
-        tensors: dict[str, Any] = {"model": model}
-        for i, optimizer in enumerate(self.optimizers if self._fitting else []):
-            names = parameter_names(optimizer, module)
-            own = [names[position] for position in sorted(placement.owned_positions(optimizer))]
-            tensors[f"optimizer_{i}"] = {"state": optimizer_state_template(own, metadata, f"optimizer_{i}")}
-        return tensors
+        """This stage's entries the checkpoint holds and, in a fit, its optimizers' state of them, by name."""
+        return self._state().templates(metadata, self.optimizers if self._fitting else [])
 
     @override
     def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
-        """This stage's weights (and everything outside the pipelined layers) from a whole-model checkpoint, or from
-        a sharded one (which holds only those)."""
-        module = self.lightning_module
-        keys = placement.real_keys(module)
-        state = checkpoint["state_dict"]
-        result = module.load_state_dict({k: v for k, v in state.items() if k in keys}, strict=False)
-        unexpected = [k for k in state if k not in module.state_dict()]
-        missing = [k for k in result.missing_keys if k in keys]
-        if strict and (missing or unexpected):
-            raise RuntimeError(f"pipeline_scratch: checkpoint keys missing {missing}, unexpected {unexpected}")
+        """This stage's weights from a whole-model or a sharded checkpoint."""
+        self._state().load_model(checkpoint["state_dict"], strict)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
-        """Each optimizer's state for this stage's parameters, keyed by position (a file) or by name (a sharded
-        checkpoint)."""
+        """Each optimizer's state for this stage's parameters."""
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
-            state = by_position(state, parameter_names(optimizer, self.lightning_module))
-            optimizer.load_state_dict(placement.select_optimizer_state(state, placement.owned_positions(optimizer)))
+            self._state().load_optimizer(optimizer, state)
 
     @override
     def model_state_params(self) -> list[Tensor]:

@@ -20,14 +20,9 @@ Runbook::
 Registered names: ``tensor_parallel_scratch`` (popen launcher) and ``tensor_parallel_scratch_spawn``: one
 tensor-parallel group over every rank, and the module's own plan (below).
 
-**The plan** (:mod:`lightning_zero.tensor_parallel.plan`: module-name patterns to styles) comes from, in order:
-
-1. the ``plan`` setting: a mapping, or the import path of one (``"lightning_zero.tensor_parallel.GPT_PLAN"``, for a
-   Hydra config), its keys relative to the submodule ``plan_root`` names (``plan_root="net"``: the key ``"wte"`` is
-   the LightningModule's ``net.wte``; default ``""``: the LightningModule itself);
-2. else the LightningModule's ``tensor_parallel_plan``, a mapping or a method returning one, its keys relative to the
-   LightningModule (``{"net.head": ColwiseParallel(gather_output=True), ...}``);
-3. else ``setup`` refuses the run naming both.
+**The plan** (:mod:`lightning_zero.tensor_parallel.plan`: module-name patterns to styles) is the ``plan`` setting
+(a mapping or its import path, keys relative to ``plan_root``), else the LightningModule's ``tensor_parallel_plan``
+(``lightning_zero/tensor_parallel/plan_source.py``).
 
 **What the strategy does.** ``setup`` (after ``configure_model``, before ``configure_optimizers``) gives every rank
 rank 0's weights (as ``ddp`` does), so the slices come from one model, then :func:`parallelize` the module over its
@@ -49,39 +44,11 @@ replicated parameters (LayerNorms, the position embedding, a row-parallel layer'
 rank of a replica (all they see is replicated), so the same average keeps every copy equal. With one replica nothing is
 averaged.
 
-[Note: global norm] Norm clipping uses the norm of the whole unsharded model's gradient, as ``clip_grad_norm_`` on
-the one-process model: the squares of the sharded gradients are summed over the tensor-parallel group (one
-all-reduce of one value, ledger tag ``"tp/grad_norm"``) and the replicated ones, equal on every rank of the group,
-are added once. Under ZeRO each parameter's norm is first summed from its pieces in every shard of the data-parallel
-group (one all-reduce of one value per parameter, ledger tag ``"grad_norm"``).
+Norm clipping uses the norm of the whole unsharded model's gradient ([Note: global norm] in
+``lightning_zero/tensor_parallel/grad_norm.py``).
 
-[Note: ZeRO x tensor parallel] ``zero_stage`` 1 or 2 puts the ZeRO-1/2 engine of :mod:`lightning_zero.zero.stage12`
-(:class:`~lightning_zero.zero.stage12.ShardedOptimizer`) in the reducer's place, built after ``configure_optimizers``
-over the *parallelized* module with the data-parallel group ``(*, i)`` as its shard group. The tensor roles of rank
-``(r, i)``, Ψ_i the elements of slice ``i`` (its tensor-parallel slices plus every replicated parameter):
-
-- *tensor-parallel slice*: a module parameter in slice ``i``'s local shape, now a view into a *flat param* of the
-  engine (one padded buffer per optimizer param group, 4Ψ_i bytes, equal on the ranks of the data group), which the
-  all-gather after each step refreshes. The replicated parameters lie in the same flat buffers.
-- *ZeRO shard* of the flat param: replica ``r``'s ``1 / replicas`` of it, the only tensor the optimizer steps, so the
-  optimizer state (AdamW's two moments) costs 8Ψ_i / replicas per rank instead of 8Ψ_i.
-- *gradient storage*: stage 1 keeps a full flat gradient (4Ψ_i) and communicates only at the accumulation boundary
-  (``grad_sync="boundary"``); stage 2 reduces every micro-batch and keeps only the shard's gradient (4Ψ_i / replicas)
-  plus two buckets' pool ([Note: tensor roles] in ``lightning_zero/zero/stage12.py``).
-
-``zero_stage=3`` shards the slices themselves: the ZeRO-3 engine of :mod:`lightning_zero.zero.stage3.engine`
-(:class:`~lightning_zero.zero.stage3.engine.ShardedParams`) is built over the parallelized module with the data group
-as its shard group, before the optimizer. A *module parameter* of rank ``(r, i)`` is then a placeholder of slice
-``i``'s local shape; before a unit's forward (and again before its backward) the engine all-gathers its *ZeRO shards*
-over the data group ``(*, i)`` into the *unsharded flat*, so the tensor-parallel layer computes with its whole slice,
-and the slice's gradients are reduce-scattered into each replica's shard: parameters, gradients and optimizer state of
-the slice cost 1 / replicas each (4Ψ_i + 4Ψ_i + 8Ψ_i over replicas). Its gather-sequence check needs a gloo group per
-data group, created on every rank (``new_data_groups``), as ``torch.distributed.new_group`` requires.
-
-Nothing crosses the tensor-parallel group but the activations, the loss and the norm: ZeRO's reductions and
-all-gathers run over the data group only, and a slice's flat layout is the same on every rank holding it. Checkpoints
-gather each state tensor over the data group first (to replica 0) and then over the tensor-parallel group, so the file
-is the same as with ``zero_stage=0``. With one replica there is nothing to shard and ``zero_stage`` changes nothing.
+``zero_stage`` 1, 2 or 3 shards the optimizer state (and the gradients, and the parameters) over the data-parallel
+group ([Note: ZeRO x tensor parallel] in ``lightning_zero/strategies/tensor_parallel_zero.py``).
 
 **Checkpoints** (``trainer.save_checkpoint`` is collective, as ``ModelCheckpoint`` calls it) are by default
 (``state_dict_type="full"``) Lightning's plain files of the whole model in the unparallelized layout (rank 0 writes
@@ -110,7 +77,6 @@ differs from the one-process model's ([Note: parallelize plan] in ``lightning_ze
 
 from __future__ import annotations
 
-import pydoc
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
@@ -125,29 +91,26 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_zero.comm import collectives as comm
 from lightning_zero.dp.reducer import GradientReducer
 from lightning_zero.strategies.model_parallel import ModelParallelStrategy, check_state_dict_type
 from lightning_zero.strategies.tensor_parallel_state import SliceState
+from lightning_zero.strategies.tensor_parallel_zero import shard_norms, shard_optimizer, shard_params
 from lightning_zero.tensor_parallel import (
     Style,
     parallelize,
     sharded_entries,
     unparallelize,
 )
+from lightning_zero.tensor_parallel.grad_norm import clip_grad_by_global_norm
 from lightning_zero.tensor_parallel.layers import TensorParallelModule
+from lightning_zero.tensor_parallel.plan_source import module_plan, resolve_plan
 from lightning_zero.training.distributed import TENSOR_PARALLEL_NAMES, check_bucket_size
-from lightning_zero.training.mesh import new_data_groups, new_groups
-from lightning_zero.training.precision import PrecisionPolicy
-from lightning_zero.zero.grad_norm import shard_grad_norms
-from lightning_zero.zero.hybrid import ShardingGroups
-from lightning_zero.zero.settings import ZeroSettings, build_stage3, build_stage12
+from lightning_zero.training.mesh import new_groups
+from lightning_zero.zero.settings import ZeroSettings
 from lightning_zero.zero.stage3 import state as sp_state
 from lightning_zero.zero.stage3.engine import ShardedParams
 from lightning_zero.zero.stage12 import ShardedOptimizer
 
-PLAN_ATTRIBUTE = "tensor_parallel_plan"
-"""The LightningModule attribute (a plan, or a method returning one) used when the strategy has no ``plan``."""
 GROUP_ATTRIBUTE = "tensor_parallel_group"
 """The LightningModule attribute the strategy sets to the tensor-parallel process group while the module is
 parallelized."""
@@ -204,7 +167,7 @@ class TensorParallelStrategy(ModelParallelStrategy):
         self.state_dict_type = check_state_dict_type(state_dict_type)
         super().__init__(**kwargs)
         self.tensor_parallel_size, self.plan_root, self.bucket_size_mb = tensor_parallel_size, plan_root, bucket_size_mb
-        self.plan = _resolve(plan) if plan is not None else None
+        self.plan = resolve_plan(plan) if plan is not None else None
         self.zero_stage = zero_stage
         self._zero = ZeroSettings.check(stage=zero_stage, bucket_size_mb=bucket_size_mb) if zero_stage else None
         self._applied: dict[str, Style] | None = None  # the plan parallelizing the module now
@@ -253,26 +216,10 @@ class TensorParallelStrategy(ModelParallelStrategy):
         return super().model_state_params() + (list(self._engine.shard_params) if self._engine is not None else [])
 
     # ------------------------------------------------------------ setup and teardown
-    def _module_plan(self, module: pl.LightningModule) -> dict[str, Style]:
-        """The plan, its keys relative to the LightningModule (see the module docstring)."""
-        if self.plan is not None:
-            return {f"{self.plan_root}.{key}" if self.plan_root else key: s for key, s in self.plan.items()}
-        own = getattr(module, PLAN_ATTRIBUTE, None)
-        own = own() if callable(own) else own
-        if own is None:
-            raise ValueError(
-                f"tensor_parallel_scratch needs a plan: pass TensorParallelStrategy(plan=..., plan_root=...) (e.g."
-                f" plan='lightning_zero.tensor_parallel.GPT_PLAN', plan_root='net'), or give"
-                f" {type(module).__name__} a `{PLAN_ATTRIBUTE}` (a mapping or a method returning one)"
-            )
-        if not isinstance(own, Mapping):
-            raise TypeError(f"{type(module).__name__}.{PLAN_ATTRIBUTE} is {type(own).__name__}: expected a mapping")
-        return dict(own)
-
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         module = self.lightning_module
-        plan = self._module_plan(module)  # before any collective: a refusal stops every rank alike
+        plan = module_plan(module, self.plan, self.plan_root)  # before any collective: a refusal stops every rank alike
         fitting = trainer.state.fn == TrainerFn.FITTING
         self._failed = False
         self._check_buffers(module)
@@ -290,56 +237,20 @@ class TensorParallelStrategy(ModelParallelStrategy):
                     module, bucket_cap_bytes=int(self.bucket_size_mb * 2**20), group=self.groups.data_group
                 )
             self._record_trainable()
-            self._engine = self._shard_params(module) if replicated and self.zero_stage == 3 else None
+            zero3 = replicated and self._zero is not None and self._zero.stage == 3
+            self._engine = (
+                shard_params(self._zero, module, self.groups, self.root_device, self._timeout) if zero3 else None
+            )
             self.setup_optimizers(trainer)
             _optimizers_to_device(self.optimizers, self.root_device)
             if replicated and self._zero is not None:
-                self._engine = self._shard_optimizer(module)
+                self._engine = shard_optimizer(self._zero, module, self.optimizers, self._engine, self.groups)
             self._shards = {
                 id(getattr(layer, key.rpartition(".")[2])): (layer, dim) for key, (layer, dim) in self._entries.items()
             }
             self._names_of = {id(p): name for name, p in module.named_parameters()}
             self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm  # type: ignore[method-assign]
         self.setup_precision_plugin()
-
-    def _shard_params(self, module: nn.Module) -> ShardedParams:
-        """ZeRO-3 over the data-parallel group ([Note: ZeRO x tensor parallel]): the parallelized module's parameters
-        (this rank's slices and the replicated ones) sharded per unit, before the optimizer is built over them."""
-        assert self._zero is not None and self.groups is not None
-        # The gather-sequence check's gloo groups: every rank creates every slice's ([Note: gather sequence check]).
-        check = new_data_groups(self.mesh, self.groups.index, backend="gloo", timeout=self._timeout)
-        return build_stage3(
-            self._zero,
-            PrecisionPolicy(),
-            module,
-            device=self.root_device,
-            timeout=self._timeout,
-            find_unused_parameters=False,
-            groups=ShardingGroups(shard=self.groups.data_group, check=check),
-        )
-
-    def _shard_optimizer(self, module: nn.Module) -> ShardedOptimizer | ShardedParams:
-        """The optimizer sharded over the data-parallel group ([Note: ZeRO x tensor parallel]), over the parallelized
-        module: its flat groups hold this rank's tensor-parallel slices (ZeRO-3: attached to :meth:`_shard_params`'
-        engine)."""
-        assert self._zero is not None and self.groups is not None
-        if len(self.optimizers) != 1:
-            raise ValueError(
-                f"zero_stage={self.zero_stage} shards one optimizer over the data-parallel group: configure_optimizers"
-                f" returned {len(self.optimizers)}; combine them into one optimizer with several param groups"
-            )
-        if isinstance(self._engine, ShardedParams):
-            self._engine.attach_optimizer(self.optimizers[0])
-            return self._engine
-        # The module's own dtypes throughout (no master copies, reductions in the gradients' dtype), as zero_stage=0.
-        return build_stage12(
-            self._zero,
-            PrecisionPolicy(),
-            module,
-            self.optimizers[0],
-            find_unused_parameters=False,
-            groups=ShardingGroups(shard=self.groups.data_group),
-        )
 
     def _check_buffers(self, module: nn.Module) -> None:
         buffers = [name for name, _ in module.named_buffers()]
@@ -406,35 +317,21 @@ class TensorParallelStrategy(ModelParallelStrategy):
         return output
 
     def _clip_grad_by_global_norm(self, optimizer: Optimizer, clip_val: float) -> Tensor:
-        """``clip_grad_norm_`` of the whole unsharded model ([Note: global norm]); returns that norm."""
+        """``clip_grad_norm_`` of the whole unsharded model ([Note: global norm] in
+        ``lightning_zero/tensor_parallel/grad_norm.py``); returns that norm."""
         sharded, replicated, grads = self._grad_norms(optimizer)
-        zero = torch.zeros((), device=self.root_device)
-        squares = torch.stack(sharded).pow(2).sum() if sharded else zero
-        if self.mesh.model_size > 1:
-            comm.all_reduce(squares, "sum", group=self.tensor_parallel_group, tag="tp/grad_norm")
-        if replicated:
-            squares = squares + torch.stack(replicated).pow(2).sum()
-        coef = torch.clamp(clip_val / (squares.sqrt() + 1e-6), max=1.0)
-        if grads:
-            torch._foreach_mul_(grads, coef.to(grads[0].device, grads[0].dtype))
-        return squares.sqrt()
+        group = self.tensor_parallel_group if self.mesh.model_size > 1 else None
+        return clip_grad_by_global_norm(sharded, replicated, grads, clip_val, group, self.root_device)
 
     def _grad_norms(self, optimizer: Optimizer) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
         """The norms of this rank's parameters' averaged gradients, the tensor-parallel slices' and the replicated
-        ones', and the gradient tensors to scale: ``optimizer``'s, or under ZeRO the shard gradients, each
-        parameter's norm then summed from its pieces in every shard of the data-parallel group (one all-reduce)."""
-        engine = self._engine
-        if engine is None:
-            grads = [(p, p.grad) for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-            sharded = [torch.linalg.vector_norm(g, 2.0) for p, g in grads if id(p) in self._shards]
-            replicated = [torch.linalg.vector_norm(g, 2.0) for p, g in grads if id(p) not in self._shards]
-            return sharded, replicated, [g for _, g in grads]
-        sliced = {self._names_of[i] for i in self._shards}
-        pieces = [p for p in engine.param_pieces if p.shard.grad is not None]
-        norms = shard_grad_norms(pieces, 2.0, group=engine.group, device=self.root_device)
-        sharded = [norm for p, norm in zip(pieces, norms) if p.name in sliced]
-        replicated = [norm for p, norm in zip(pieces, norms) if p.name not in sliced]
-        return sharded, replicated, [p.grad for p in engine.shard_params if p.grad is not None]
+        ones', and the gradient tensors to scale: ``optimizer``'s, or under ZeRO the shard gradients."""
+        if self._engine is not None:
+            return shard_norms(self._engine, {self._names_of[i] for i in self._shards}, self.root_device)
+        grads = [(p, p.grad) for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        sharded = [torch.linalg.vector_norm(g, 2.0) for p, g in grads if id(p) in self._shards]
+        replicated = [torch.linalg.vector_norm(g, 2.0) for p, g in grads if id(p) not in self._shards]
+        return sharded, replicated, [g for _, g in grads]
 
     # ------------------------------------------------------------ checkpoints
     @property
@@ -491,14 +388,3 @@ class TensorParallelStrategy(ModelParallelStrategy):
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
             self._state().load_optimizer(optimizer, state)
         _optimizers_to_device(self.optimizers, self.root_device)
-
-
-def _resolve(plan: Mapping[str, Style] | str) -> dict[str, Style]:
-    """A plan, or the import path of one (``pydoc.locate``)."""
-    resolved = pydoc.locate(plan) if isinstance(plan, str) else plan
-    if not isinstance(resolved, Mapping):
-        found = f" (it names {type(resolved).__name__})" if isinstance(plan, str) else ""
-        raise ValueError(
-            f"plan={plan!r} is invalid: expected a mapping of module names to styles, or the import path of one{found}"
-        )
-    return dict(resolved)  # a copy the strategy owns (and can pickle: GPT_PLAN is a read-only proxy)

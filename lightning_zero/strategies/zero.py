@@ -45,9 +45,10 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_zero.comm.powersgd import refuse_on_zero
+from lightning_zero.comm.powersgd_config import refuse_on_zero
 from lightning_zero.optim.sharding import ShardAware
-from lightning_zero.strategies.base import ScratchParallelStrategy, SpawnLauncher
+from lightning_zero.strategies.base import ScratchParallelStrategy
+from lightning_zero.strategies.launcher import SpawnLauncher
 from lightning_zero.training.distributed import ZERO_NAMES
 from lightning_zero.training.precision import DEFAULT
 from lightning_zero.zero.checkpointing import ZeroCheckpointer

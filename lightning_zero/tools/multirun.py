@@ -10,8 +10,8 @@ skip launching children or rendezvous on a dead port. :class:`JobScope` wraps on
   a sampled ``optimizer.lr=...``), the user's own ``hydra.*`` overrides, ``hydra.mode=RUN`` (a config such as
   ``hparams_search=optuna`` sets ``hydra.mode: MULTIRUN``) and the pinned sweep root and job number; and
   ``hydra.run.dir`` is this job's output directory. Lightning appends that directory, a per-rank job name and
-  ``hydra.output_subdir=null``, so rank r runs only this job, in this job's directory, logging to
-  ``train_ddp_process_<r>.log`` there;
+  ``hydra.output_subdir=null``, so rank r >= 1 runs only this job, in this job's directory, logging to
+  ``train_ddp_process_<r>.log`` there (rank 0 is this process: its log is the job's own ``train.log``);
 * each job picks a free rendezvous port (an inherited ``MASTER_PORT`` is dropped unless the processes were created
   externally, e.g. by torchrun): reusing the previous job's port from the same process was measured to hang;
 * at the end of the job (success or not) the children are waited for (and killed after ``child_timeout``), the

@@ -24,7 +24,7 @@ from importlib import resources
 
 import yaml
 
-from lightning_zero.tools.config import SCHEMAS
+from lightning_zero.tools.config_schema import SCHEMAS
 
 DEFAULT_CONFIG = "train"
 

@@ -37,6 +37,7 @@ TRAIN_LOSS_KEYS = ("train/loss", "train_loss", "train/loss_step", "train_loss_st
 VAL_LOSS_KEYS = ("val/loss", "val_loss")
 BREAKDOWN = ("params", "grads", "optimizer", "strategy_buffers")
 MIB = 2**20
+NA = "n/a"  # how the report's tables and figures show a missing value
 DEFAULT = "default"  # the pivot value of a key the job did not override: the config's default
 
 Series = list[tuple[int, float]]

@@ -15,7 +15,9 @@ process starts, and the run dir Hydra created for it is removed again, so a reje
 Everything the console shows (Lightning's messages, the progress bar, warnings) also goes to ``<job>_console.log`` in
 the run dir, and an interrupted run (Ctrl-C) says so in ``train.log``. Multi-process runs: Lightning's popen launcher
 re-executes this command for each extra local rank with ``hydra.run.dir`` pinned to this run's directory, so every
-rank writes into one run dir (rank ``r`` logs to ``train_ddp_process_<r>.log`` there). Sweeps of multi-process jobs
+rank writes into one run dir: rank 0 logs to ``train.log``, rank ``r`` >= 1 to ``train_ddp_process_<r>.log`` there.
+A run shorter than its validation interval (``trainer.max_steps=100`` with validation every 200 batches) validates
+after its last batch instead, so it still reports a best ``val/ppl``. Sweeps of multi-process jobs
 work::
 
     lightning-zero-train -m strategy=ddp_scratch,zero1_scratch,zero3_scratch trainer.max_steps=50
@@ -37,7 +39,8 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_zero.tools.config import ConfigError, register_configs, validate_config
+from lightning_zero.tools.config import validate_config
+from lightning_zero.tools.config_schema import ConfigError, register_configs
 from lightning_zero.tools.console import ConsoleLog
 from lightning_zero.tools.multirun import JobScope
 from lightning_zero.tools.overrides import OverrideError, check_overrides
@@ -102,6 +105,28 @@ def _set_threads(cfg: DictConfig) -> None:
         )
 
 
+def _validate_at_the_end(trainer_cfg: DictConfig) -> dict[str, Any]:
+    """``{"val_check_interval": ...}`` for a run shorter than its validation interval, else ``{}``.
+
+    The trainer configs validate every 200 batches, so ``trainer.max_steps=100`` would end its fit without one
+    validation: no ``val/ppl`` for the checkpoint callback, and ``best: -``. Such a run validates at its last step
+    instead (``val_check_interval`` counts batches: ``max_steps`` x ``accumulate_grad_batches``).
+    """
+    max_steps, interval = trainer_cfg.get("max_steps", -1), trainer_cfg.get("val_check_interval")
+    batches = max_steps * trainer_cfg.get("accumulate_grad_batches", 1) if isinstance(max_steps, int) else -1
+    if not isinstance(interval, int) or isinstance(interval, bool) or not 0 < batches < interval:
+        return {}
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        log.info(
+            "trainer.max_steps=%d ends before the first validation (trainer.val_check_interval=%d batches):"
+            " validating after batch %d instead",
+            max_steps,
+            interval,
+            batches,
+        )
+    return {"val_check_interval": batches}
+
+
 def build(cfg: DictConfig) -> dict[str, Any]:
     """Instantiate data, model, callbacks, loggers, strategy and trainer from ``cfg``; no process is started yet."""
     import lightning as L
@@ -117,7 +142,13 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c is not None]
     loggers = [instantiate(c) for c in (cfg.get("logger") or {}).values() if c is not None]
     strategy = instantiate(cfg.strategy)
-    trainer = instantiate(cfg.trainer, strategy=strategy, callbacks=callbacks, logger=loggers or False)
+    trainer = instantiate(
+        cfg.trainer,
+        strategy=strategy,
+        callbacks=callbacks,
+        logger=loggers or False,
+        **_validate_at_the_end(cfg.trainer),
+    )
     for logger in loggers:
         logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
     return {"trainer": trainer, "model": model, "datamodule": datamodule, "ckpt_path": cfg.get("ckpt_path")}
@@ -153,7 +184,10 @@ def _report(out: dict[str, Any], output_dir: str, job_name: str) -> None:
     for logger in trainer.loggers:
         lines.append(f"  {type(logger).__name__}: {logger.log_dir}")
     if trainer.world_size > 1:
-        lines.append(f"  logs: {output_dir}/{job_name}.log and train_ddp_process_<rank>.log")
+        lines.append(
+            f"  logs: {output_dir}/{job_name}.log (rank 0) and train_ddp_process_<rank>.log"
+            f" (ranks 1 to {trainer.world_size - 1})"
+        )
     if history and name:
         first_step, first = history[0]
         final = metrics.get(name, float("nan"))

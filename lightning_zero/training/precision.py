@@ -20,7 +20,7 @@ Runbook::
 - ``master_dtype``: fp32 *master weights*, the values the optimizer updates, kept apart from parameters that are
   rounded or stored in low precision (ZeRO: this rank's shard, so the extra is 4Ψ/N; ``ddp_scratch``: every
   parameter). Gradients accumulate across micro-batches in it (ZeRO-1/2's ``grad_accum_dtype`` stores them in
-  another: [Note: tensor roles] in ``lightning_zero/zero/stage12.py``). Checkpoints carry the masters (the
+  another: [Note: tensor roles] in ``lightning_zero/zero/flat_group.py``). Checkpoints carry the masters (the
   ZeRO-3 shards are them; ZeRO-1/2 and ``ddp_scratch`` add each parameter's ``"master"`` to the optimizer state, as
   DeepSpeed keeps its fp32 partitions), so a resume is bit-identical; a fit hands the masters back into the module,
   in its own dtype.

@@ -54,9 +54,10 @@ from lightning_zero.zero.checkpoint import (
     read_metadata,
     save_sharded,
 )
+from lightning_zero.zero.optimizer_checks import index_of
 from lightning_zero.zero.stage3 import state as sp_state
 from lightning_zero.zero.stage3.engine import ShardedParams
-from lightning_zero.zero.stage12 import ShardedOptimizer, index_of
+from lightning_zero.zero.stage12 import ShardedOptimizer
 
 MODEL, OPTIMIZERS, SCHEDULERS = "state_dict", "optimizer_states", "lr_schedulers"
 PARAM_GROUPS = "optimizer_param_groups"  # sharded checkpoints: each optimizer's param_groups, in meta.pt

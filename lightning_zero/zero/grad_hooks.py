@@ -1,14 +1,15 @@
 """User code that reads or changes ``p.grad`` where ZeRO leaves it ``None``.
 
-[Note: gradients in the hooks] Under ZeRO-2/3 (and ZeRO-1 with ``grad_sync="microbatch"``) the averaged gradient
-exists only as this rank's shard, the ``.grad`` of the optimizer's flat parameters; a module parameter's ``p.grad`` is
-``None`` in ``on_after_backward`` and ``on_before_optimizer_step`` (the table in README.md). Code there that clips or
-scales ``p.grad`` itself (``torch.nn.utils.clip_grad_norm_(self.parameters(), 1.0)``, ``p.grad.mul_(0.5)``) then does
-nothing, silently, where ``ddp`` changes the update, and Lightning's ``grad_norm`` returns nothing. The strategy cannot
-see what a hook does at run time, so :func:`gradient_reads` looks at the code of the module's and the callbacks' own
-overrides of those hooks (their comprehensions and nested functions included) for a ``.grad`` access, torch's clipping
-functions or Lightning's ``grad_norm``, and the strategy warns at setup. Best effort: a helper called from the hook is
-not looked into. ``lightning_zero.grad_norm``, ``gradient_clip_val`` and ``self.clip_gradients`` work on the shards.
+[Note: gradients in the hooks] Under ZeRO-2/3 (and ZeRO-1 with ``grad_sync="microbatch"``) the averaged gradient exists
+only as this rank's shard, the ``.grad`` of the optimizer's flat parameters; a module parameter's ``p.grad`` is
+``None`` in ``on_after_backward`` and ``on_before_optimizer_step`` (the table in docs/guide/drop-in.md). Code there
+that clips or scales ``p.grad`` itself (``torch.nn.utils.clip_grad_norm_(self.parameters(), 1.0)``,
+``p.grad.mul_(0.5)``) then does nothing, silently, where ``ddp`` changes the update, and Lightning's ``grad_norm``
+returns nothing. The strategy cannot see what a hook does at run time, so :func:`gradient_reads` looks at the code of
+the module's and the callbacks' own overrides of those hooks (their comprehensions and nested functions included) for a
+``.grad`` access, torch's clipping functions or Lightning's ``grad_norm``, and the strategy warns at setup. Best
+effort: a helper called from the hook is not looked into. ``lightning_zero.grad_norm``, ``gradient_clip_val`` and
+``self.clip_gradients`` work on the shards.
 """
 
 from __future__ import annotations

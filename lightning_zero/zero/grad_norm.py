@@ -24,15 +24,15 @@ def param_grad_norms(
     if not ordered:
         return [], torch.zeros(0, device=device)
     partial = torch.zeros(2, len(ordered), dtype=torch.float64, device=device)  # whole norms, squares of pieces
-    for i, param in enumerate(ordered):
-        grad = param.shard.grad.detach()
+    grads = [g.detach() for g in (param.shard.grad for param in ordered) if g is not None]  # one per param
+    for i, (param, grad) in enumerate(zip(ordered, grads)):
         if [length for _, length in param.pieces] == [param.numel]:  # whole here, so nowhere else
             partial[0, i] = get_total_norm([grad.narrow(0, *param.pieces[0])])  # torch's kernel for one gradient
             continue
         for offset, length in param.pieces:
             partial[1, i] += grad.narrow(0, offset, length).double().pow(2).sum()
     comm.all_reduce(partial, "sum", group=group, tag="clip_norm")
-    return ordered, (partial[0] + partial[1].sqrt()).to(ordered[0].shard.grad.dtype)  # one of the two is zero
+    return ordered, (partial[0] + partial[1].sqrt()).to(grads[0].dtype)  # one of the two is zero
 
 
 def total_grad_norm(
@@ -84,7 +84,9 @@ def shard_grad_norms(
     partial = torch.zeros(len(params), dtype=torch.float64, device=device)
     for i, param in enumerate(params):
         grad = param.shard.grad
-        for offset, length in param.pieces if grad is not None else []:
+        if grad is None:
+            continue
+        for offset, length in param.pieces:
             piece = grad.detach().narrow(0, offset, length).double().abs()
             partial[i] = torch.maximum(partial[i], piece.max()) if infinite else partial[i] + piece.pow(norm_type).sum()
     comm.all_reduce(partial, "max" if infinite else "sum", group=group, tag="grad_norm")

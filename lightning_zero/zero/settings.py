@@ -20,9 +20,10 @@ from lightning_zero.training.distributed import check_bucket_size
 from lightning_zero.training.module_classes import module_classes, optimizer_classes
 from lightning_zero.training.precision import DEFAULT, PrecisionPolicy, parse_dtype
 from lightning_zero.zero.hybrid import ShardingGroups, check_shard_size, new_groups
+from lightning_zero.zero.optimizer_checks import GRAD_SYNC_MODES, check_grad_reduction
 from lightning_zero.zero.stage3.engine import ShardedParams
 from lightning_zero.zero.stage3.materialize import MODEL_INIT_MODES
-from lightning_zero.zero.stage12 import GRAD_SYNC_MODES, ShardedOptimizer, check_grad_reduction
+from lightning_zero.zero.stage12 import ShardedOptimizer
 
 STAGES = (1, 2, 3)
 STATE_DICT_TYPES = ("sharded", "full")

@@ -9,39 +9,8 @@ Runbook::
     optimizer.step()           # the user's optimizer object, now stepping the shards only
     engine.after_step()        # all-gather the updated shards into the full parameters
 
-[Note: tensor roles] (see also [Note: flat layout] in ``lightning_zero/zero/partition.py``)
-- *flat param*: one padded buffer per param group; every module parameter of the group is a view into it, so the
-  all-gather after the step writes the module's parameters directly. 4Ψ bytes (+ padding) on every rank.
-- *shard param*: an ``nn.Parameter`` aliasing this rank's slice of the flat param. The user's optimizer object is
-  rebuilt *in place* (``group["params"] = [shard]``), so LR schedulers and ``trainer.optimizers[0].param_groups``
-  keep working on the same object with the same hyper-parameters; its state (e.g. AdamW's two moments) exists for
-  the shard only: 8Ψ/N bytes.
-- *shard grad*: ``shard.grad``, this rank's slice of the averaged gradient.
-- *master shard* (mixed precision, [Note: precision policy] in ``lightning_zero/training/precision.py``): when the flat
-  param is in a low-precision dtype (``cast_dtype``, or ``bf16-true``) or is gathered in one (``gather_dtype``), the
-  shard param is an fp32 copy of this rank's slice instead of a view; the optimizer updates it, gradient buckets and
-  shard grads are fp32 (accumulation in fp32), and after the step each rank's master is rounded to ``gather_dtype`` and
-  all-gathered into the flat param. Its value goes into checkpoints as
-  the optimizer state ``"master"`` (the module weights are the rounded copy), as DeepSpeed keeps fp32 partitions.
-- *gradient storage in* ``accum_dtype`` (DeepSpeed's ``grad_accum_dtype``): gradient buckets, stage 1's flat gradient
-  and stage 2's shard accumulator in a low-precision dtype instead of the master's, so the gradients cost 2 bytes per
-  element (the ZeRO paper's accounting: stage 1 4Ψ + 12Ψ/N, stage 2 2Ψ + 14Ψ/N with a 2-byte module). The shard
-  param's ``.grad`` must have its dtype, so :meth:`ShardedOptimizer.before_step` gives it a copy of the accumulated
-  shard gradient in that dtype, which :meth:`ShardedOptimizer.after_step` drops (4Ψ/N in fp32, during the step only).
-- *gradient buckets*: contiguous ranges of a flat group, filled in reverse registration order and all-reduced
-  (average) from autograd hooks by :class:`~lightning_zero.dp.reducer.GradientReducer` while backward runs.
-
-Gradient storage, by ``stage`` and ``grad_sync``:
-- stage 1, ``"boundary"`` (stage 1's default): a persistent full flat gradient per group (4Ψ); ``p.grad`` is a view of
-  it, micro-batches accumulate locally without communication, and one reduction per optimizer step leaves every
-  rank with the full averaged gradient, of which ``shard.grad`` is a view. Stage 1 memory: 4Ψ + 4Ψ + 8Ψ/N.
-- ``"microbatch"`` (stage 2's default; also valid for stage 1): every micro-batch reduces its buckets; each bucket
-  borrows one of the reducer's two pool buffers when its first gradient arrives, its owned slice is added to a
-  persistent shard accumulator (4Ψ/N) once reduced, and the buffer goes back to the pool, so no full gradient
-  survives between micro-batches. Stage 2 memory: 4Ψ + 4Ψ/N + 8Ψ/N, plus the pool (two buckets) reported apart.
-- stage 2, ``"boundary"``: micro-batches accumulate into transient buckets (full local gradients, no communication;
-  buckets beyond the pool's two are allocated for the window) that are reduced into the shard accumulator and
-  released at the boundary, before the step.
+The tensors an engine holds, and where gradients are stored by ``stage`` and ``grad_sync``: [Note: tensor roles] in
+``lightning_zero/zero/flat_group.py``.
 
 [Note: gradient reduction] A gradient bucket is a contiguous range ``[lo, hi)`` of a flat group; each rank needs only
 the part inside its shard. ``grad_reduction`` chooses how the bucket is averaged:
@@ -54,7 +23,7 @@ the part inside its shard. ``grad_reduction`` chooses how the bucket is averaged
   ``"boundary"`` mode keeps the full averaged gradient (``p.grad``) on every rank. Under hybrid sharding the pieces
   are reduced in the shard group, then each owned piece is all-reduced across the replicas.
 - ``"auto"``: ``"reduce_scatter"`` where the backend has native reductions to one rank (NCCL) and the buckets are
-  transient, else ``"all_reduce"``: on gloo the all-reduce measured faster (README "Communication options").
+  transient, else ``"all_reduce"``: on gloo the all-reduce measured faster (docs/guide/communication.md).
 """
 
 from __future__ import annotations
@@ -62,155 +31,28 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from contextlib import AbstractContextManager
 from functools import partial
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_zero.comm import collectives as comm
-from lightning_zero.comm.bucketing import assign_buckets
-from lightning_zero.dp.reducer import GradBucket, GradientReducer
+from lightning_zero.dp.buckets import GradBucket
+from lightning_zero.dp.reducer import GradientReducer
 from lightning_zero.optim.sharding import ShardAware, Sharding, restart_on_zero_grad, toggled_off
+from lightning_zero.zero.flat_group import FlatGroup, OptimizerShards, group_buckets
 from lightning_zero.zero.grad_norm import clip_grad_norm_, total_grad_norm
-from lightning_zero.zero.partition import FlatLayout, check_elementwise, flat_layout
+from lightning_zero.zero.optimizer_checks import (
+    GRAD_SYNC_MODES,
+    check_disjoint,
+    check_grad_reduction,
+    check_in_optimizer,
+    index_of,
+    set_aside_state,
+)
+from lightning_zero.zero.partition import check_elementwise
+from lightning_zero.zero.stage12_state import load_full_state_dict
 from lightning_zero.zero.unused import HeldPieces, ParamPieces, param_pieces
-
-GRAD_SYNC_MODES = ("boundary", "microbatch")
-GRAD_REDUCTIONS = ("auto", "all_reduce", "reduce_scatter")
-
-
-def check_in_optimizer(missing: list[str]) -> None:
-    """Raise if trainable parameters (``missing``, by name) are in no optimizer param group."""
-    if missing:
-        raise ValueError(
-            f"trainable parameters {missing} are in no optimizer param group: ZeRO shards the optimizers, so add"
-            " them to a group or freeze them (requires_grad=False); under Fabric, set up all of the model's"
-            " optimizers together: fabric.setup(model, optimizer_1, optimizer_2)"
-        )
-
-
-def check_disjoint(repeated: list[str]) -> None:
-    """Raise if parameters (``repeated``, by name) are in more than one param group or optimizer."""
-    if repeated:
-        raise ValueError(
-            f"parameters {repeated} are in more than one param group or optimizer: ZeRO shards each parameter's"
-            " optimizer state once, so give each parameter to one optimizer"
-        )
-
-
-def index_of(optimizers: Sequence[torch.optim.Optimizer], optimizer: torch.optim.Optimizer) -> int:
-    """``optimizer``'s position among the ``optimizers`` a ZeRO engine shards (by identity)."""
-    k = next((k for k, opt in enumerate(optimizers) if opt is optimizer), None)
-    if k is None:
-        raise ValueError(f"{type(optimizer).__name__} is not an optimizer this ZeRO engine shards")
-    return k
-
-
-def set_aside_state(optimizer: torch.optim.Optimizer) -> dict | None:
-    """[Note: state made before sharding] An optimizer may hold state before ZeRO rebuilds it over the shards:
-    Adagrad makes its sums in its constructor, and a user may hand over one that has stepped. Returns its full state
-    dict (``None`` if it holds none) and empties its state; the engine loads that back into the shards, as from a full
-    checkpoint, so the first step starts from it as under ``ddp``."""
-    if not optimizer.state:
-        return None
-    initial = optimizer.state_dict()
-    optimizer.state.clear()
-    return initial
-
-
-def hyperparameters(param_groups: list[dict]) -> list[dict]:
-    """Each param group without its ``params``."""
-    return [{k: v for k, v in group.items() if k != "params"} for group in param_groups]
-
-
-def check_group_count(saved: int, expected: int) -> None:
-    if saved != expected:
-        raise ValueError(f"optimizer state has {saved} param groups: expected {expected} as in the model")
-
-
-def check_grad_reduction(grad_reduction: str, stage: int, grad_sync: str | None) -> None:
-    """Raise unless ``grad_reduction`` is one of :data:`GRAD_REDUCTIONS` and applies to ``stage`` with ``grad_sync``
-    (``None``: the stage's default) ([Note: gradient reduction])."""
-    if grad_reduction not in GRAD_REDUCTIONS:
-        raise ValueError(f"grad_reduction={grad_reduction!r} is invalid: expected one of {GRAD_REDUCTIONS}")
-    if stage == 3 and grad_reduction != "auto":
-        raise ValueError(
-            f"grad_reduction={grad_reduction!r} applies to stages 1 and 2 only: stage=3 always reduce-scatters"
-        )
-    if grad_reduction == "reduce_scatter" and stage == 1 and grad_sync in (None, "boundary"):
-        raise ValueError(
-            "grad_reduction='reduce_scatter' needs stage=2, or grad_sync='microbatch' with stage=1: stage 1's"
-            " 'boundary' mode keeps the full averaged gradient on every rank"
-        )
-
-
-class _FlatGroup:
-    """One optimizer param group flattened: its layout, flat param, shard param and gradient storage."""
-
-    def __init__(
-        self,
-        index: int,
-        original_params: list[Tensor],
-        params: list[Tensor],
-        names: list[str],
-        world_size: int,
-        rank: int,
-        cast_dtype: torch.dtype | None = None,
-        gather_dtype: torch.dtype | None = None,
-        master_dtype: torch.dtype | None = None,
-        accum_dtype: torch.dtype | None = None,
-        optimizer_index: int = 0,
-        key: int = 0,
-    ) -> None:
-        if not params:
-            raise ValueError(f"param group {index} has no trainable parameters: drop the group or unfreeze some")
-        dtypes = {(p.dtype, p.device) for p in params}
-        if len(dtypes) > 1:
-            raise ValueError(
-                f"param group {index} mixes dtypes/devices {sorted(map(str, dtypes))}: ZeRO flattens a group into one"
-                " buffer, so split the group by dtype"
-            )
-        self.index = index  # in its optimizer's param groups
-        self.optimizer_index, self.key = optimizer_index, key  # which optimizer; its position among all flat groups
-        self.params = params
-        self.names = names
-        self.layout: FlatLayout = flat_layout([p.numel() for p in params], world_size)
-        self.module_dtype = params[0].dtype  # what the module had: it gets the master values back in it
-        dtype, device = cast_dtype or self.module_dtype, params[0].device
-        self.start, self.end = self.layout.shard_range(rank)
-        self.gather_dtype = gather_dtype or dtype
-        rounded = dtype != master_dtype or self.gather_dtype != master_dtype  # the flat holds rounded values
-        master = master_dtype if master_dtype is not None and rounded else None
-        if master is not None:  # from the values before any cast (fp32 initialisation stays exact)
-            self.shard = nn.Parameter(torch.zeros(self.end - self.start, dtype=master, device=device))
-            for i, in_param, in_shard, length in self.layout.param_pieces(rank):
-                piece = params[i].detach().reshape(-1).narrow(0, in_param, length)
-                self.shard.data.narrow(0, in_shard, length).copy_(piece)
-        self.flat = torch.zeros(self.layout.padded_numel, dtype=dtype, device=device)
-        for p, offset in zip(params, self.layout.offsets):
-            view = self.flat.narrow(0, offset, p.numel())
-            view.copy_(p.detach().reshape(-1))
-            p.data = view.view_as(p)
-        if master is not None:  # what every gather will hold: the master rounded to the gather dtype
-            self.flat.copy_(self.flat.to(self.gather_dtype))
-        else:
-            self.shard = nn.Parameter(self.flat.narrow(0, self.start, self.end - self.start))
-        self.has_master = master is not None
-        self.grad_dtype = accum_dtype or self.shard.dtype  # by default the dtype the optimizer updates
-        self.casts_grad = self.grad_dtype != self.shard.dtype  # shard.grad is a copy made in before_step
-        self.accumulating = False  # a reduction of the current window went into the gradient storage
-        # The group as the user built it (frozen ones included): how the full state dict numbers parameters.
-        self.original_params = original_params
-        self.flat_grad: Tensor | None = None  # persistent full gradient (stage 1, boundary)
-        self.shard_grad: Tensor | None = None  # persistent shard accumulator (transient buckets)
-
-    @property
-    def names_in_group_order(self) -> list[str]:
-        """The trainable parameters' names in the order the user's param group holds them (the layout's is the
-        module's registration order)."""
-        name_of = {id(p): name for p, name in zip(self.params, self.names)}
-        return [name_of[id(p)] for p in self.original_params if id(p) in name_of]
 
 
 class ShardedOptimizer:
@@ -284,7 +126,7 @@ class ShardedOptimizer:
         order = {id(p): i for i, p in enumerate(module.parameters())}
         names = {id(p): name for name, p in module.named_parameters()}
         seen: set[int] = set()
-        self.groups: list[_FlatGroup] = []  # of every optimizer, in order
+        self.groups: list[FlatGroup] = []  # of every optimizer, in order
         for k, opt in enumerate(optimizers):
             for index, param_group in enumerate(opt.param_groups):
                 unknown = [p for p in param_group["params"] if id(p) not in order]
@@ -296,7 +138,7 @@ class ShardedOptimizer:
                 params = sorted((p for p in param_group["params"] if p.requires_grad), key=lambda p: order[id(p)])
                 check_disjoint([names[id(p)] for p in params if id(p) in seen])
                 seen.update(id(p) for p in params)
-                flat_group = _FlatGroup(
+                flat_group = FlatGroup(
                     index,
                     list(param_group["params"]),
                     params,
@@ -330,8 +172,6 @@ class ShardedOptimizer:
         self._pieces = [param_pieces(g.names, g.shard, g.layout, self.rank) for g in self.groups]
         for k, (opt, state) in enumerate(zip(optimizers, initial)):
             if state is not None:
-                from lightning_zero.zero.stage12_state import load_full_state_dict  # it imports this module
-
                 load_full_state_dict(self.shards(k), state)
             if isinstance(opt, ShardAware):  # [Note: shard-aware optimizers] in lightning_zero/optim/sharding.py
                 opt.attach_sharding(Sharding(partial(self.total_grad_norm, opt), partial(self._gather_params, opt)))
@@ -372,34 +212,8 @@ class ShardedOptimizer:
     def _build_reducer(
         self, module: nn.Module, bucket_cap_bytes: int, find_unused: bool, reduce_dtype: torch.dtype | None
     ) -> GradientReducer:
-        # Every trainable parameter in reverse registration order, tagged with its group and flat offset.
-        entries = []
-        where = {id(p): (g, offset) for g in self.groups for p, offset in zip(g.params, g.layout.offsets)}
-        for name, p in reversed(list(module.named_parameters())):
-            if id(p) in where:
-                entries.append((name, p, *where[id(p)]))
-        layouts = assign_buckets(
-            [p.numel() for _, p, _, _ in entries],
-            [torch.empty((), dtype=g.grad_dtype).element_size() for _, _, g, _ in entries],
-            [g.key for _, _, g, _ in entries],
-            bucket_cap_bytes,
-        )
-        buckets, self._bucket_range = [], {}
-        for layout in layouts:
-            g = self.groups[layout.key]
-            members = [entries[i] for i in layout.indices]
-            lo = min(offset for *_, offset in members)
-            hi = max(offset + p.numel() for _, p, _, offset in members)
-            if hi == g.layout.numel:
-                hi = g.layout.padded_numel  # the bucket holding the group's end carries the padding
-            offsets = tuple(offset - lo for *_, offset in members)
-            bucket = GradBucket(layout.indices, offsets, hi - lo, g.grad_dtype, g.flat.device)
-            if self.persistent:
-                if g.flat_grad is None:
-                    g.flat_grad = torch.zeros_like(g.flat, dtype=g.grad_dtype)
-                bucket.buffer = g.flat_grad.narrow(0, lo, hi - lo)
-            self._bucket_range[id(bucket)] = (g, lo, hi)
-            buckets.append(bucket)
+        entries, buckets, self._bucket_range = group_buckets(module, self.groups, bucket_cap_bytes, self.persistent)
+        group_of = {id(p): g for _, p, g, _ in entries}
         if not self.persistent:
             for g in self.groups:
                 g.shard_grad = torch.zeros_like(g.shard, dtype=g.grad_dtype)
@@ -413,7 +227,7 @@ class ShardedOptimizer:
             group=self.group if self.replicate_group is None else None,  # hybrid: the average over every rank
             reduce_dtype=reduce_dtype,
             reduce_bucket=self._reduce_to_owners if self.grad_reduction == "reduce_scatter" else None,
-            ignored=lambda p: not where[id(p)][0].shard.requires_grad,  # [Note: toggled-off optimizers]
+            ignored=lambda p: not group_of[id(p)].shard.requires_grad,  # [Note: toggled-off optimizers]
         )
 
     def _on_bucket_reduced(self, bucket: GradBucket) -> None:
@@ -421,7 +235,7 @@ class ShardedOptimizer:
         first, g.accumulating = not g.accumulating, True  # first: the first reduction since the last step
         if self.persistent:
             if not g.casts_grad:
-                g.shard.grad = self._shard_of_flat_grad(g)
+                g.shard.grad = g.shard_of_flat_grad()
             return
         if g.casts_grad and first:
             g.shard_grad.zero_()  # the last window's sum went to shard.grad in before_step
@@ -433,11 +247,6 @@ class ShardedOptimizer:
             g.shard_grad.narrow(0, owned_lo - g.start, owned_hi - owned_lo).add_(
                 bucket.buffer.narrow(0, owned_lo - lo, owned_hi - owned_lo)
             )
-
-    @staticmethod
-    def _shard_of_flat_grad(g: _FlatGroup) -> Tensor:
-        assert g.flat_grad is not None
-        return g.flat_grad.narrow(0, g.start, g.end - g.start)
 
     # ---------------------------------------------------------------- public
     @property
@@ -457,7 +266,7 @@ class ShardedOptimizer:
         return toggled_off((p, g.shard) for g in self.groups for p in g.params)
 
     # Per optimizer: ``optimizer=None`` means every optimizer's groups.
-    def _groups_of(self, optimizer: torch.optim.Optimizer | None) -> list[_FlatGroup]:
+    def _groups_of(self, optimizer: torch.optim.Optimizer | None) -> list[FlatGroup]:
         if optimizer is None:
             return self.groups
         k = index_of(self.optimizers, optimizer)
@@ -479,7 +288,7 @@ class ShardedOptimizer:
         groups = self._groups_of(optimizer)
         return total_grad_norm(self._pieces_of(groups), **self._norm_arguments(groups))
 
-    def _norm_arguments(self, groups: list[_FlatGroup]) -> dict:
+    def _norm_arguments(self, groups: list[FlatGroup]) -> dict:
         order = [name for g in groups for name in g.names_in_group_order]
         device = self.groups[0].flat.device
         return {"order": order, "unused": self.unused_everywhere, "group": self.group, "device": device}
@@ -497,7 +306,7 @@ class ShardedOptimizer:
             for p in g.params:
                 p.grad = None
 
-    def _end_window(self, groups: list[_FlatGroup]) -> None:
+    def _end_window(self, groups: list[FlatGroup]) -> None:
         """The reducer's window of these groups' parameters ends (each optimizer has its own)."""
         if self.reducer is not None:
             self.reducer.end_window(self.reducer.indices_of(p for g in groups for p in g.params))
@@ -507,7 +316,7 @@ class ShardedOptimizer:
         """Every trainable parameter with its pieces in this rank's shard."""
         return self._pieces_of(self.groups)
 
-    def _pieces_of(self, groups: list[_FlatGroup]) -> list[ParamPieces]:
+    def _pieces_of(self, groups: list[FlatGroup]) -> list[ParamPieces]:
         return [p for g in groups for p in self._pieces[g.key]]
 
     @property
@@ -523,7 +332,7 @@ class ShardedOptimizer:
         groups = self._groups_of(optimizer)
         for g in groups:
             if g.casts_grad and g.accumulating:
-                grad = self._shard_of_flat_grad(g) if self.persistent else g.shard_grad
+                grad = g.shard_of_flat_grad() if self.persistent else g.shard_grad
                 g.shard.grad = grad.to(g.shard.dtype)  # dropped again in after_step
                 g.accumulating = False
         if self.find_unused_parameters:
@@ -562,7 +371,7 @@ class ShardedOptimizer:
         offset = 0
         for g in self.groups:
             length = max(min(g.end, g.layout.numel) - g.start, 0)
-            target = self._shard_of_flat_grad(g) if self.persistent else g.shard_grad
+            target = g.shard_of_flat_grad() if self.persistent else g.shard_grad
             assert target is not None
             target.narrow(0, 0, length).copy_(values.narrow(0, offset, length))  # the padding stays zero
             offset += length
@@ -605,25 +414,3 @@ class ShardedOptimizer:
             if g.has_master and not self.masters_loaded:
                 g.shard.data.copy_(g.flat.narrow(0, g.start, g.end - g.start))
         self.masters_loaded = False
-
-
-class OptimizerShards:
-    """Optimizer ``index``'s part of a ZeRO-1/2 engine: its flat groups (numbered as its param groups) and the
-    optimizer, with the rest of the engine's attributes (``group``, ``rank``, ...) read through. The state dicts of
-    :mod:`lightning_zero.zero.stage12_state` are made of one such part each."""
-
-    def __init__(self, engine: ShardedOptimizer, index: int) -> None:
-        self.engine, self.index = engine, index
-        self.optimizer = engine.optimizers[index]
-        self.groups = [g for g in engine.groups if g.optimizer_index == index]
-
-    @property
-    def masters_loaded(self) -> bool:
-        return self.engine.masters_loaded
-
-    @masters_loaded.setter
-    def masters_loaded(self, value: bool) -> None:
-        self.engine.masters_loaded = value
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.engine, name)

@@ -29,10 +29,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from lightning_zero.comm import collectives as comm
-from lightning_zero.zero.stage12 import ShardedOptimizer, _FlatGroup, check_group_count, hyperparameters
+from lightning_zero.zero.flat_group import FlatGroup, OptimizerShards
+from lightning_zero.zero.optimizer_checks import check_group_count, hyperparameters
 
 
-def _with_master(engine: ShardedOptimizer, g: _FlatGroup) -> dict[str, Any]:
+def _with_master(engine: OptimizerShards, g: FlatGroup) -> dict[str, Any]:
     """The optimizer state of ``g``'s shard, plus the master values when they are kept apart."""
     state = dict(engine.optimizer.state.get(g.shard, {}))
     if g.has_master:
@@ -40,12 +41,12 @@ def _with_master(engine: ShardedOptimizer, g: _FlatGroup) -> dict[str, Any]:
     return state
 
 
-def _elementwise(g: _FlatGroup, value: object) -> bool:
+def _elementwise(g: FlatGroup, value: object) -> bool:
     """Whether an optimizer state value has one element per shard element (moments), not a scalar (step)."""
     return isinstance(value, Tensor) and value.shape == g.shard.shape
 
 
-def _load_shards(engine: ShardedOptimizer, sharded_state: dict[int, dict], param_groups: list[dict]) -> None:
+def _load_shards(engine: OptimizerShards, sharded_state: dict[int, dict], param_groups: list[dict]) -> None:
     """Load per-group shard state with the saved hyper-parameters into the rebuilt optimizer; master values go into
     the shards (the module's parameters follow in ``engine.sync_after_load``)."""
     for index, entry in sharded_state.items():
@@ -59,14 +60,14 @@ def _load_shards(engine: ShardedOptimizer, sharded_state: dict[int, dict], param
 
 
 # ---------------------------------------------------------------- sharded
-def _to_dtensor(engine: ShardedOptimizer, g: _FlatGroup, shard_tensor: Tensor) -> DTensor:
+def _to_dtensor(engine: OptimizerShards, g: FlatGroup, shard_tensor: Tensor) -> DTensor:
     mesh = DeviceMesh.from_group(engine.group or dist.group.WORLD, g.flat.device.type)
     real = max(0, min(g.end, g.layout.numel) - g.start)  # padding is not part of the saved tensor
     local = shard_tensor.narrow(0, 0, real)
     return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=(g.layout.numel,), stride=(1,))
 
 
-def sharded_state_dict(engine: ShardedOptimizer) -> dict[str, Any]:
+def sharded_state_dict(engine: OptimizerShards) -> dict[str, Any]:
     """``{"state": {"group<i>": {key: DTensor | scalar}}, "param_groups": [hyper-parameters]}``."""
     state = {}
     for g in engine.groups:
@@ -77,7 +78,7 @@ def sharded_state_dict(engine: ShardedOptimizer) -> dict[str, Any]:
     return {"state": state, "param_groups": hyperparameters(engine.optimizer.param_groups)}
 
 
-def sharded_template(engine: ShardedOptimizer, metadata: Metadata, prefix: str) -> dict[str, Any]:
+def sharded_template(engine: OptimizerShards, metadata: Metadata, prefix: str) -> dict[str, Any]:
     """Tensors for DCP to load ``prefix``'s optimizer state into, shaped from the checkpoint's index."""
     state: dict[str, dict] = {}
     for fqn, item in metadata.state_dict_metadata.items():
@@ -95,7 +96,7 @@ def sharded_template(engine: ShardedOptimizer, metadata: Metadata, prefix: str) 
     return {"state": state}
 
 
-def load_sharded_state_dict(engine: ShardedOptimizer, loaded: dict, param_groups: list[dict]) -> None:
+def load_sharded_state_dict(engine: OptimizerShards, loaded: dict, param_groups: list[dict]) -> None:
     """Load what DCP filled into :func:`sharded_template`, with the saved hyper-parameters."""
     check_group_count(len(param_groups), len(engine.groups))
     sharded_state = {}
@@ -114,7 +115,7 @@ def load_sharded_state_dict(engine: ShardedOptimizer, loaded: dict, param_groups
 
 
 # ---------------------------------------------------------------- full
-def _numbering(engine: ShardedOptimizer) -> list[list[int]]:
+def _numbering(engine: OptimizerShards) -> list[list[int]]:
     numbers, next_number = [], 0
     for g in engine.groups:
         numbers.append(list(range(next_number, next_number + len(g.original_params))))
@@ -122,14 +123,14 @@ def _numbering(engine: ShardedOptimizer) -> list[list[int]]:
     return numbers
 
 
-def _root(engine: ShardedOptimizer) -> int | None:
+def _root(engine: OptimizerShards) -> int | None:
     """The global rank the full state is built on ([Note: full optimizer state]): the shard group's first rank, or
     ``None`` where the shard group skips it (hybrid sharding, every group but rank 0's)."""
     root = comm.global_rank(0, engine.group)
     return None if engine.replicate_group is not None and root != 0 else root
 
 
-def _reduce_to_root(engine: ShardedOptimizer, g: _FlatGroup, shard_tensor: Tensor, i: int) -> Tensor | None:
+def _reduce_to_root(engine: OptimizerShards, g: FlatGroup, shard_tensor: Tensor, i: int) -> Tensor | None:
     """Parameter ``i`` of ``g`` in full, from every rank's pieces of ``shard_tensor``: on the CPU of the root,
     ``None`` elsewhere (collective over the shard group)."""
     root = _root(engine)
@@ -144,7 +145,7 @@ def _reduce_to_root(engine: ShardedOptimizer, g: _FlatGroup, shard_tensor: Tenso
     return full.view_as(p).to("cpu", copy=True) if comm.rank() == root else None
 
 
-def full_state_dict(engine: ShardedOptimizer) -> dict[str, Any]:
+def full_state_dict(engine: OptimizerShards) -> dict[str, Any]:
     """The unsharded optimizer's state dict on the shard group's root, rank 0 unless the group is a part of the world
     ([Note: full optimizer state]; ``"state"`` is empty elsewhere); collective."""
     state: dict[int, dict] = {}
@@ -167,7 +168,7 @@ def full_state_dict(engine: ShardedOptimizer) -> dict[str, Any]:
     return {"state": state if comm.rank() == _root(engine) else {}, "param_groups": groups}
 
 
-def load_full_state_dict(engine: ShardedOptimizer, state_dict: dict) -> None:
+def load_full_state_dict(engine: OptimizerShards, state_dict: dict) -> None:
     """Load a :func:`full_state_dict` (from any world size): each rank copies its pieces into shard-sized tensors."""
     saved_groups = state_dict["param_groups"]
     check_group_count(len(saved_groups), len(engine.groups))

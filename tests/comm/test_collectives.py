@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_zero.comm import collectives as comm
+from lightning_zero.comm.ledger import CommLedger
 from tests.helpers.workers import run_workers
 
 
@@ -79,7 +80,7 @@ def test_bad_shapes_and_ops_are_rejected_with_the_numbers():
 
 
 def test_ledger_selects_by_op_and_tag():
-    ledger = comm.CommLedger()
+    ledger = CommLedger()
     ledger.record("all_reduce", "grads", 100)
     ledger.record("all_reduce", "log", 4)
     ledger.record("broadcast", "grads", 8)

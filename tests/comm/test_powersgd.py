@@ -13,15 +13,14 @@ from torch import nn
 from lightning_zero.comm import collectives as comm
 from lightning_zero.comm.powersgd import (
     PowerSGDCompressor,
-    PowerSGDConfig,
     compressed_step_bytes,
-    compression_config,
     factor_order,
     orthogonalize,
     plan_tensors,
-    refuse_on_zero,
 )
-from lightning_zero.dp.reducer import GradBucket, GradientReducer
+from lightning_zero.comm.powersgd_config import PowerSGDConfig, compression_config, refuse_on_zero
+from lightning_zero.dp.buckets import GradBucket
+from lightning_zero.dp.reducer import GradientReducer
 from tests.helpers.workers import free_port, run_workers
 
 # ------------------------------------------------------------------------------------------ the decision rule

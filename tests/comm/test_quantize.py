@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_zero.comm import collectives as comm
+from lightning_zero.comm import quantized
 from lightning_zero.comm.quantize import (
     QMAX,
     dequantize,
@@ -105,16 +106,16 @@ def test_single_process_collectives_quantize_too_and_reject_bad_input():
     x = torch.randn(300, generator=torch.Generator().manual_seed(1))
     expected = dequantize(*quantize(x, 64), 64)
     gathered, reduced = torch.empty(300), torch.empty(300)
-    comm.all_gather_quantized(gathered, x, 64)
-    comm.reduce_scatter_quantized(reduced, x, 64, "sum")
+    quantized.all_gather_quantized(gathered, x, 64)
+    quantized.reduce_scatter_quantized(reduced, x, 64, "sum")
     assert torch.equal(gathered, expected) and torch.equal(reduced, expected)
     assert comm.LEDGER.bytes() == 2 * quantized_nbytes(300, 64)
     with pytest.raises(ValueError, match=r"reduce_scatter_quantized op 'max' is invalid: expected one of \('sum',"):
-        comm.reduce_scatter_quantized(reduced, x, 64, "max")
+        quantized.reduce_scatter_quantized(reduced, x, 64, "max")
     with pytest.raises(ValueError, match="input has 300 elements: expected world_size=1 x output 2"):
-        comm.reduce_scatter_quantized(torch.zeros(2), x, 64)
+        quantized.reduce_scatter_quantized(torch.zeros(2), x, 64)
     with pytest.raises(ValueError, match="output has 2 elements: expected world_size=1 x input 300"):
-        comm.all_gather_quantized(torch.zeros(2), x, 64)
+        quantized.all_gather_quantized(torch.zeros(2), x, 64)
 
 
 K = 1001  # elements per rank: every chunk ends in a short block, and packed rows are not multiples of 4 bytes
@@ -143,7 +144,7 @@ def _quantized_collectives(block_size: int) -> dict:
     for name, threshold in (("sync", 1 << 40), ("async", 1 << 40), ("substitute", 0)):
         comm.GLOO_SUBSTITUTE_MIN_BYTES = threshold
         result = torch.empty(world * K, dtype=torch.bfloat16)
-        handle = comm.all_gather_quantized(result, piece, block_size, async_op=name != "sync", tag="params")
+        handle = quantized.all_gather_quantized(result, piece, block_size, async_op=name != "sync", tag="params")
         if handle is not None:
             handle.wait()
         gathered[name] = result
@@ -164,7 +165,9 @@ def _quantized_collectives(block_size: int) -> dict:
         result = torch.full((K,), float("nan"))
         source = data.clone()
         op = "sum" if name == "sum" else "avg"
-        handle = comm.reduce_scatter_quantized(result, source, block_size, op, async_op=name == "async", tag="grads")
+        handle = quantized.reduce_scatter_quantized(
+            result, source, block_size, op, async_op=name == "async", tag="grads"
+        )
         source.fill_(float("nan"))  # quantized when the call returns: the input may change at once
         if handle is not None:
             handle.wait()

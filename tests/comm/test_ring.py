@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_zero.comm import collectives as comm
+from lightning_zero.comm.groups import torch_reduce_op
 from lightning_zero.comm.ring import (
     chunk_bounds,
     ring_all_reduce,
@@ -148,7 +149,7 @@ def _ring_worker(n: int) -> dict:
     def check(name: str, data: torch.Tensor, op: str, exact: bool, group=None, **ring_kwargs) -> None:
         ours, native = data.clone(), data.clone()
         ring_all_reduce(ours, op, group=group, tag="cmp", **ring_kwargs)
-        dist.all_reduce(native, op=comm._op(op), group=group)
+        dist.all_reduce(native, op=torch_reduce_op(op), group=group)
         if (failure := _compare(ours, native, exact)) is not None:
             failures[name] = failure
 

@@ -14,7 +14,7 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_zero import RobustDDPStrategy, RobustZeroStrategy, ScratchDDPStrategy, ZeroStrategy
-from lightning_zero.tools.parity import GlobalBatchSampler as GlobalBatchSampler  # re-exported for the tests
+from lightning_zero.tools.parity_job import GlobalBatchSampler as GlobalBatchSampler  # re-exported for the tests
 
 OURS = (
     "ddp_scratch", "robust_ddp_scratch", "robust_zero1_scratch", "robust_zero2_scratch", "zero1_scratch",

@@ -17,8 +17,9 @@ import pytest
 import torch
 
 from lightning_zero.robust.aggregation import AggregationResult, RobustAggregator, parse_stage
-from lightning_zero.robust.aggregators import centered_clipping, check_rule, multi_krum_select
+from lightning_zero.robust.aggregators import check_rule
 from lightning_zero.robust.attacks import apply_attack
+from lightning_zero.robust.distance_rules import centered_clipping, multi_krum_select
 
 
 def _stack(n: int, d: int = 6, seed: int = 0) -> torch.Tensor:

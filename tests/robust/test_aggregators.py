@@ -10,23 +10,20 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_zero.robust.aggregators import (
-    RULES,
+from lightning_zero.robust.aggregators import RULES, check_rule, mean
+from lightning_zero.robust.distance_rules import (
     bulyan,
     bulyan_select,
     centered_clipping,
-    check_rule,
-    drop_nonfinite,
     geometric_median,
     krum,
     krum_scores,
     krum_select,
-    mean,
-    median,
     multi_krum,
     multi_krum_select,
-    trimmed_mean,
 )
+from lightning_zero.robust.order_statistics import median, trimmed_mean
+from lightning_zero.robust.stack import drop_nonfinite
 
 X = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]])
 # 1-D points on a line: three close ones, one a bit off, one far outlier
@@ -394,7 +391,7 @@ def test_check_rule_mean_with_f_warns_and_never_raises():
 # --- the column sort behind median and trimmed mean ------------------------------------------------------------------
 @pytest.mark.parametrize("n", range(1, 21))
 def test_the_sorting_network_sorts_every_column(n):
-    from lightning_zero.robust.aggregators import sorting_network
+    from lightning_zero.robust.order_statistics import sorting_network
 
     g = torch.Generator().manual_seed(n)
     x = torch.cat([torch.randn(n, 300, generator=g), torch.randint(0, 3, (n, 300), generator=g).float()], dim=1)
@@ -410,7 +407,7 @@ def test_the_sorting_network_sorts_every_column(n):
 
 @pytest.mark.parametrize("n", range(1, 13))
 def test_the_selection_network_leaves_every_range_of_ranks_in_place(n):
-    from lightning_zero.robust.aggregators import selection_network, sorting_network
+    from lightning_zero.robust.order_statistics import selection_network, sorting_network
 
     g = torch.Generator().manual_seed(n)
     x = torch.cat([torch.randn(n, 300, generator=g), torch.randint(0, 3, (n, 300), generator=g).float()], dim=1)
@@ -434,9 +431,9 @@ def test_the_selection_network_leaves_every_range_of_ranks_in_place(n):
 
 @pytest.mark.parametrize("n", [5, 8, 70])  # 70 rows: torch.sort instead of the network
 def test_median_and_trimmed_mean_across_column_blocks_equal_a_whole_sort(n, monkeypatch):
-    import lightning_zero.robust.aggregators as aggregators
+    from lightning_zero.robust import order_statistics
 
-    monkeypatch.setattr(aggregators, "COLUMN_BLOCK", 7)  # 50 columns: 8 blocks, the last one short
+    monkeypatch.setattr(order_statistics, "COLUMN_BLOCK", 7)  # 50 columns: 8 blocks, the last one short
     x = torch.randn(n, 50, generator=torch.Generator().manual_seed(n))
     values = torch.sort(x, dim=0).values
     assert torch.equal(median(x), values[(n - 1) // 2] * 0.5 + values[n // 2] * 0.5)

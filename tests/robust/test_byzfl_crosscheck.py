@@ -39,15 +39,9 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_zero.robust.aggregators import (
-    centered_clipping,
-    geometric_median,
-    krum,
-    median,
-    multi_krum,
-    trimmed_mean,
-)
 from lightning_zero.robust.attacks import apply_attack
+from lightning_zero.robust.distance_rules import centered_clipping, geometric_median, krum, multi_krum
+from lightning_zero.robust.order_statistics import median, trimmed_mean
 from lightning_zero.robust.preaggregators import clip, nnm
 
 SEEDS = [0, 1, 2]

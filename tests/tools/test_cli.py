@@ -27,7 +27,8 @@ from omegaconf import OmegaConf
 
 import lightning_zero
 from lightning_zero.demo import CharGPTModule, CharTextDataModule
-from lightning_zero.tools.config import (
+from lightning_zero.tools.config import validate_config
+from lightning_zero.tools.config_schema import (
     SCHEMAS,
     ConfigError,
     PipelineStrategyConf,
@@ -35,8 +36,8 @@ from lightning_zero.tools.config import (
     ScratchDDPStrategyConf,
     TensorParallelStrategyConf,
     ZeroStrategyConf,
-    validate_config,
 )
+from lightning_zero.tools.train import _validate_at_the_end
 from tests.helpers.cli import CliRun, cli_env, run_cli
 from tests.helpers.conf import CONF_DIR, options
 
@@ -492,12 +493,27 @@ def test_cli_digits_pipeline_trains_and_both_stages_report_the_same_metrics(tmp_
     assert (run_dir / "checkpoints" / "last.ckpt").is_file()  # the whole model, gathered from both stages
 
 
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["trainer.max_steps=100"], {"val_check_interval": 100}),
+        (["trainer.max_steps=60", "+trainer.accumulate_grad_batches=2"], {"val_check_interval": 120}),
+        (["trainer.max_steps=400"], {}),  # validates every 200 batches on its own
+        (["trainer.max_steps=-1", "trainer.max_epochs=1"], {}),  # no step budget: nothing to move
+        (["trainer.max_steps=100", "trainer.val_check_interval=0.5"], {}),  # a fraction of the epoch: the user's
+    ],
+)
+def test_a_run_shorter_than_its_validation_interval_validates_at_its_end(compose_cfg, overrides, expected) -> None:
+    cfg = compose_cfg(*overrides)
+    assert cfg.trainer.val_check_interval == 200 or "trainer.val_check_interval=0.5" in overrides
+    assert _validate_at_the_end(cfg.trainer) == expected
+
+
 @pytest.mark.timeout(120)
 def test_cli_tiny_two_process_zero3_run_writes_one_run_dir(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     args = [
-        "trainer.max_steps=5",
-        "trainer.val_check_interval=5",
+        "trainer.max_steps=5",  # shorter than the config's validation interval: validates at its last batch
         "trainer.limit_val_batches=2",
         "trainer.log_every_n_steps=1",
         "model.n_layer=1",
@@ -509,6 +525,8 @@ def test_cli_tiny_two_process_zero3_run_writes_one_run_dir(tmp_path: Path) -> No
     assert result.returncode == 0, result.stdout[-6000:]
     assert not result.leftover, f"processes outlived the run: {result.leftover}"
     assert f"outputs: {run_dir}" in result.stdout
+    assert f"(best: {run_dir / 'checkpoints'}" in result.stdout, result.stdout[-3000:]  # not "best: -"
+    assert f"logs: {run_dir}/train.log (rank 0) and train_ddp_process_<rank>.log (ranks 1 to 1)" in result.stdout
     first, final = map(float, re.search(r"val/ppl: first ([\d.]+) \(step 0\), final ([\d.]+)", result.stdout).groups())
     assert final < first
     # One run dir holds everything: rank 0's and rank 1's logs, both ranks' checkpoint shards, csv metrics.

@@ -33,7 +33,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from lightning_zero.demo import CharGPTModule, CharTextDataModule, DigitsDataModule, DigitsMLPModule
 from lightning_zero.demo.digits import load_digits_arrays
-from lightning_zero.tools.config import ConfigError, validate_config
+from lightning_zero.tools.config import validate_config
+from lightning_zero.tools.config_schema import ConfigError
 from tests.helpers.cli import cli_env, run_cli
 from tests.helpers.conf import CONF_DIR, REPO_ROOT, options
 

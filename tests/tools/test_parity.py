@@ -19,7 +19,9 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
-from lightning_zero.tools.parity import EXIT_ERROR, EXIT_FAIL, EXIT_PASS, GlobalBatchSampler, Job, compare, main
+from lightning_zero.tools.parity import main
+from lightning_zero.tools.parity_compare import compare
+from lightning_zero.tools.parity_job import EXIT_ERROR, EXIT_FAIL, EXIT_PASS, GlobalBatchSampler, Job
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MODULES = f"{Path(__file__).with_name('parity_modules.py').relative_to(REPO_ROOT)}"

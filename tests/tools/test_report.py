@@ -15,6 +15,7 @@ import yaml
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_zero.tools import report, sweep_results
+from lightning_zero.tools import report_figures as figures
 
 MIB = 2**20
 COMMON = ["trainer=ddp_sim", "trainer.max_steps=30", "paths.log_dir=/tmp/x"]
@@ -261,26 +262,26 @@ def _loss_job(
 
 
 def test_coincide_within_tolerance_at_every_shared_step() -> None:
-    assert report.coincide(SHORT, list(SHORT))
+    assert figures.coincide(SHORT, list(SHORT))
     close = [(s, v * (1 + 1e-4)) for s, v in SHORT]  # 0.01% apart: within the default 0.1%
-    assert report.coincide(SHORT, close) and not report.coincide(SHORT, close, rel_tol=1e-5)
-    assert not report.coincide(SHORT, [(9, 4.1), (19, 3.5), (29, 3.01)])  # one step 0.3% apart
+    assert figures.coincide(SHORT, close) and not figures.coincide(SHORT, close, rel_tol=1e-5)
+    assert not figures.coincide(SHORT, [(9, 4.1), (19, 3.5), (29, 3.01)])  # one step 0.3% apart
     longer = [*SHORT, (39, 2.0), (49, 1.5)]
-    assert report.coincide(SHORT[:2], longer) and report.coincide(longer, SHORT[:2])  # a short run under a longer one
+    assert figures.coincide(SHORT[:2], longer) and figures.coincide(longer, SHORT[:2])  # a short run under a longer one
     shifted = [(s + 1, v) for s, v in SHORT]
-    assert not report.coincide(SHORT, shifted) and not report.coincide(SHORT, [])  # no shared step
+    assert not figures.coincide(SHORT, shifted) and not figures.coincide(SHORT, [])  # no shared step
     diverged = [(9, 4.1), (19, math.nan)]
-    assert report.coincide(diverged, list(diverged)) and not report.coincide(diverged, SHORT)
+    assert figures.coincide(diverged, list(diverged)) and not figures.coincide(diverged, SHORT)
 
 
 def test_coincident_groups() -> None:
     same = [(s, v * (1 - 1e-5)) for s, v in SHORT]
-    assert report.coincident_groups({"0": SHORT, "1": list(SHORT), "2": HIGHER, "3": same}) == [["0", "1", "3"], ["2"]]
-    assert report.coincident_groups({"0": HIGHER, "1": SHORT}, rel_tol=0.2) == [["0", "1"]]  # 0.3 on 3-4: within 20%
+    assert figures.coincident_groups({"0": SHORT, "1": list(SHORT), "2": HIGHER, "3": same}) == [["0", "1", "3"], ["2"]]
+    assert figures.coincident_groups({"0": HIGHER, "1": SHORT}, rel_tol=0.2) == [["0", "1"]]  # 0.3 on 3-4: within 20%
     # A short run that matches the start of two runs diverging later lies under both: one group of three.
     a, b = [*SHORT, (39, 2.0)], [*SHORT, (39, 2.5)]
-    assert report.coincident_groups({"a": a, "b": b}) == [["a"], ["b"]]
-    assert report.coincident_groups({"a": a, "x": HIGHER, "b": b, "s": SHORT[:2]}) == [["a", "b", "s"], ["x"]]
+    assert figures.coincident_groups({"a": a, "b": b}) == [["a"], ["b"]]
+    assert figures.coincident_groups({"a": a, "x": HIGHER, "b": b, "s": SHORT[:2]}) == [["a", "b", "s"], ["x"]]
 
 
 def test_loss_curves_name_coinciding_jobs_and_mark_short_runs() -> None:
@@ -292,7 +293,7 @@ def test_loss_curves_name_coinciding_jobs_and_mark_short_runs() -> None:
         _loss_job("2", "zero3_scratch", HIGHER, VAL),
         _loss_job("3", "zero1_scratch", SHORT),
     ]
-    fig = report.loss_curves_figure(jobs)
+    fig = figures.loss_curves_figure(jobs)
     try:
         [ax] = fig.axes
         assert [t.get_text() for t in ax.get_legend().get_texts()] == [
@@ -328,10 +329,10 @@ def test_loss_curves_keep_every_coinciding_curve_visible(tmp_path: Path, jobs: i
     from PIL import Image
 
     series = [(2 * i, 4.0 - 0.01 * i) for i in range(points)]
-    fig = report.loss_curves_figure([_loss_job(str(k), f"s{k}", list(series)) for k in range(jobs)])
+    fig = figures.loss_curves_figure([_loss_job(str(k), f"s{k}", list(series)) for k in range(jobs)])
     try:
         ax = fig.axes[0]
-        assert all((line.get_marker() == "None") == (points > report.MARKER_MAX_POINTS) for line in ax.get_lines())
+        assert all((line.get_marker() == "None") == (points > figures.MARKER_MAX_POINTS) for line in ax.get_lines())
         ax.get_legend().remove()
         fig.savefig(tmp_path / "curves.png", dpi=110)
     finally:

@@ -16,7 +16,7 @@ unit at the same point of its backward as long as the ranks run the same units. 
 (the first one) completes on its parameters alone; one that never completes (an output no loss used) is reduced when
 the pass ends.
 
-Which backward passes count ([Note: graph tasks]): only a pass that accumulates into ``.grad`` (``loss.backward()``,
+[Note: graph tasks] Which backward passes count: only a pass that accumulates into ``.grad`` (``loss.backward()``,
 ``manual_backward``) reduces gradients and ends the engine's pass. ``torch.autograd.grad`` inside a step (a gradient
 penalty, MAML's inner step) gathers what it needs and frees it at its end, or, with ``create_graph=True``, keeps every
 unit it touched gathered (*pinned*) until the step's own backward ends: the graph it built saved views of their

@@ -38,7 +38,7 @@ one for frozen parameters), each laid out flat and padded to a multiple of N.
   precision (the values the module computes with). *qgZ* (``grad_block_size``): the
   unsharded gradient's N chunks are quantized each in blocks of their own, exchanged all-to-all, and each rank sums
   the N dequantized contributions to its chunk in fp32 ([Note: quantized reduce-scatter] in
-  ``lightning_zero/comm/collectives.py``); ``reduce_dtype`` then must be fp32 or ``None``. Bytes per step:
+  ``lightning_zero/comm/quantized.py``); ``reduce_dtype`` then must be fp32 or ``None``. Bytes per step:
   [Note: stage-3 traffic] in ``lightning_zero/zero/stage3/traffic.py``.
 
 Per step: forward gathers each unit (4Ψ, while the next unit's gather is in flight) and frees it after its forward,
@@ -68,11 +68,18 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 
 from lightning_zero.comm import collectives as comm
-from lightning_zero.comm import watchdog
-from lightning_zero.dp.reducer import dense_grad
+from lightning_zero.comm import quantized, watchdog
+from lightning_zero.dp.buckets import dense_grad
 from lightning_zero.dp.unused import UsedParams, unused_error
 from lightning_zero.optim.sharding import ShardAware, Sharding, restart_on_zero_grad
 from lightning_zero.zero.grad_norm import clip_grad_norm_, total_grad_norm
+from lightning_zero.zero.optimizer_checks import (
+    GRAD_SYNC_MODES,
+    check_disjoint,
+    check_in_optimizer,
+    index_of,
+    set_aside_state,
+)
 from lightning_zero.zero.partition import check_elementwise
 from lightning_zero.zero.stage3.backward import (
     GatherOnRead,
@@ -87,9 +94,9 @@ from lightning_zero.zero.stage3.backward import (
 from lightning_zero.zero.stage3.gather_order import GatherOrder
 from lightning_zero.zero.stage3.materialize import build_meta_modules, load_real_tensors
 from lightning_zero.zero.stage3.segments import Segment, Unit, UnitState
+from lightning_zero.zero.stage3.state import load_optimizer_state_dict
 from lightning_zero.zero.stage3.traffic import SegmentTraffic, gathers_per_step, step_nbytes
 from lightning_zero.zero.stage3.units import ROOT, plan_units, root_owners
-from lightning_zero.zero.stage12 import GRAD_SYNC_MODES, check_disjoint, check_in_optimizer, index_of, set_aside_state
 from lightning_zero.zero.unused import HeldPieces, ParamPieces, param_pieces
 
 FROZEN, TRAINABLE = "frozen", "trainable"
@@ -108,7 +115,8 @@ class ShardedParams:
     Args:
         module: the model, with real parameters (sharded from rank 0's values) or on the meta device (built here
             module by module with ``reset_parameters()``, each rank keeping only its pieces).
-        auto_wrap_policy / min_num_params: how units are chosen ([Note: units]).
+        auto_wrap_policy: the module classes each instance of which is a unit ([Note: units]).
+        min_num_params: else, units of at least this many parameters ([Note: units]).
         reshard_after_forward: free a unit after its forward (``True``) or keep it until its backward.
         grad_sync: ``"microbatch"`` or ``"boundary"``.
         device: where shards and gathered parameters live.
@@ -118,8 +126,11 @@ class ShardedParams:
             group's, so a rank that stops gathering makes the others fail as soon as on the main group.
         find_unused_parameters: allow trainable parameters without a gradient in a backward pass; see
             [Note: unused parameters]. Off: such a parameter raises an error naming it.
-        cast_dtype / gather_dtype / master_dtype / reduce_dtype: mixed precision ([Note: tensor roles]); ``None``:
-            the parameters' own dtype.
+        cast_dtype: the dtype the module's parameters are cast to for compute ([Note: tensor roles]); ``None``:
+            the parameters' own dtype (as for the next three).
+        gather_dtype: the dtype the shards are all-gathered in.
+        master_dtype: the dtype of the sharded master copy the optimizer updates.
+        reduce_dtype: the dtype gradients are reduce-scattered in.
         weight_block_size: all-gather the parameters as blockwise int8 in blocks of this many elements (ZeRO++'s
             qwZ; [Note: tensor roles]); ``None`` (default): in ``gather_dtype``, exactly.
         grad_block_size: reduce-scatter the gradients as blockwise int8 (ZeRO++'s qgZ), reduced in fp32; ``None``
@@ -305,7 +316,7 @@ class ShardedParams:
         shard, kwargs = s.shard.detach(), {"group": self.group, "async_op": True, "tag": "params"}
         if self.weight_block_size is None:
             return comm.all_gather(s.full, shard, dtype=s.gather_dtype, **kwargs)
-        return comm.all_gather_quantized(s.full, shard, self.weight_block_size, dtype=s.gather_dtype, **kwargs)
+        return quantized.all_gather_quantized(s.full, shard, self.weight_block_size, dtype=s.gather_dtype, **kwargs)
 
     def _wait(self, unit: Unit) -> None:
         if unit.state is UnitState.GATHERING:
@@ -553,7 +564,7 @@ class ShardedParams:
         kwargs = {"group": self.group, "async_op": True, "tag": "grads"}
         if self.grad_block_size is None:
             return comm.reduce_scatter(out, grad_full, "avg", dtype=self.reduce_dtype, **kwargs)
-        return comm.reduce_scatter_quantized(out, grad_full, self.grad_block_size, "avg", **kwargs)
+        return quantized.reduce_scatter_quantized(out, grad_full, self.grad_block_size, "avg", **kwargs)
 
     def _finish_reduction(self) -> None:
         unit, segment, out, grad_full, handle = self._pending.pop(0)
@@ -682,7 +693,8 @@ class ShardedParams:
     def attach_optimizers(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         """Rebuild each optimizer (built over module parameters, each parameter in one of them) in place over the
         shards; state one already holds is sharded with it ([Note: state made before sharding] in
-        ``lightning_zero/zero/stage12.py``). A segment holds the parameters of one param group of one optimizer."""
+        ``lightning_zero/zero/optimizer_checks.py``). A segment holds the parameters of one param group of one
+        optimizer."""
         for optimizer in optimizers:
             check_elementwise(optimizer, self.elementwise_optimizers)
         initial = [set_aside_state(optimizer) for optimizer in optimizers]
@@ -710,12 +722,11 @@ class ShardedParams:
                     raise ValueError(f"param group {g} has no trainable parameters: drop the group or unfreeze some")
         for k, (optimizer, state) in enumerate(zip(optimizers, initial)):
             if state is not None:
-                from lightning_zero.zero.stage3.state import load_optimizer_state_dict  # it imports this module
-
                 load_optimizer_state_dict(self, state, state["param_groups"], k)
             if isinstance(optimizer, ShardAware):  # [Note: shard-aware optimizers] in lightning_zero/optim/sharding.py
                 optimizer.attach_sharding(Sharding(partial(self.total_grad_norm, optimizer), lambda: None))
-            restart_on_zero_grad(optimizer, partial(self.restart_window, optimizer))  # [Note: zero_grad reaches ...]
+            # [Note: zero_grad reaches the engine] in lightning_zero/optim/sharding.py
+            restart_on_zero_grad(optimizer, partial(self.restart_window, optimizer))
 
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:

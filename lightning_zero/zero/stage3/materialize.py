@@ -102,17 +102,17 @@ def _build(name: str, m: nn.Module, load_param: LoadParam, device: torch.device)
     built = {k: p for k, p in m._parameters.items() if p is not None and not p.is_meta}
     for k, p in built.items():  # scratch stand-ins; the real ones come back below
         m._parameters[k] = nn.Parameter(torch.empty_like(p, device=device), p.requires_grad)
-    for p in m._parameters.values():
-        if p is not None and p.is_meta:  # swap: keeps the Parameter object (optimizer, ties) alive
-            torch.utils.swap_tensors(p, nn.Parameter(torch.empty_like(p, device=device), p.requires_grad))
+    for meta in m._parameters.values():
+        if meta is not None and meta.is_meta:  # swap: keeps the Parameter object (optimizer, ties) alive
+            torch.utils.swap_tensors(meta, nn.Parameter(torch.empty_like(meta, device=device), meta.requires_grad))
     for k, b in m._buffers.items():
         if b is not None and b.is_meta:
             m._buffers[k] = torch.empty_like(b, device=device)
     with torch.no_grad():
         reset()
-    for k, p in m._parameters.items():
-        if p is not None and k not in built:
-            load_param(p)
+    for k, param in m._parameters.items():
+        if param is not None and k not in built:
+            load_param(param)
     m._parameters.update(built)
 
 

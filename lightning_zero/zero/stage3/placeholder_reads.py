@@ -9,6 +9,7 @@ weight norm logged in ``on_train_epoch_end``, a metric of a validation step that
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -54,10 +55,19 @@ _PLACEHOLDER_WRITE = "more than one element of the written-to tensor refers to a
 def explain_placeholder_write(exception: BaseException, name: str) -> None:
     """Add a note to ``exception`` if it is torch's refusal to write into a placeholder."""
     if _PLACEHOLDER_WRITE in str(exception):
-        exception.add_note(
+        _add_note(
+            exception,
             f"{name}: between training steps a module parameter is a placeholder (this rank holds only its shard), so"
             " an in-place write to it (a weight clamp or renorm in a hook or callback) cannot work. ZeRO keeps one"
             " value of each parameter across the ranks and cannot follow writes outside the optimizer ([Note:"
             " parameters changed in place] in lightning_zero/zero/inplace.py): use ddp_scratch, or leave the"
-            " parameter to the optimizer."
+            " parameter to the optimizer.",
         )
+
+
+def _add_note(exception: BaseException, note: str) -> None:
+    """``exception.add_note(note)``, or on Python 3.10, which has no notes, the note appended to its message."""
+    if sys.version_info >= (3, 11):
+        exception.add_note(note)
+    else:
+        exception.args = (f"{exception.args[0] if exception.args else ''}\n{note}", *exception.args[1:])

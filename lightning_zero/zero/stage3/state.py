@@ -29,16 +29,16 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from lightning_zero.comm import collectives as comm
-from lightning_zero.zero.stage3.engine import ShardedParams
+from lightning_zero.zero.optimizer_checks import check_group_count, hyperparameters
 from lightning_zero.zero.stage3.segments import Segment
-from lightning_zero.zero.stage12 import check_group_count, hyperparameters
+from lightning_zero.zero.stage3.view import EngineView
 
 
-def _mesh(engine: ShardedParams) -> DeviceMesh:
+def _mesh(engine: EngineView) -> DeviceMesh:
     return DeviceMesh.from_group(engine.group or dist.group.WORLD, engine.device.type)
 
 
-def _per_param(engine: ShardedParams, segment: Segment, shard_tensor: Tensor) -> list[Tensor]:
+def _per_param(engine: EngineView, segment: Segment, shard_tensor: Tensor) -> list[Tensor]:
     """All-gather a shard-shaped tensor of ``segment`` and return full per-parameter views of the result."""
     return segment.gather_values(shard_tensor, engine.group)
 
@@ -67,14 +67,14 @@ def _template(mesh: DeviceMesh, shape: torch.Size, dtype: torch.dtype, device: t
     return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=shape, stride=stride)
 
 
-def _keeps_full(engine: ShardedParams) -> bool:
+def _keeps_full(engine: EngineView) -> bool:
     """Whether this rank keeps a full state: the first rank of the engine's shard group and of its replicate group
     (hybrid sharding: global rank 0 only; tensor_parallel_scratch: replica 0's rank of each slice's data group)."""
     first = comm.rank(engine.group) == 0
     return first and (engine.replicate_group is None or comm.rank(engine.replicate_group) == 0)
 
 
-def _on_rank_zero(engine: ShardedParams, full: Tensor) -> Tensor | None:
+def _on_rank_zero(engine: EngineView, full: Tensor) -> Tensor | None:
     """A full checkpoint is written by rank 0: it keeps a CPU copy of each gathered value as it arrives, the other
     ranks nothing, so no rank holds more than one segment beyond its shards ([Note: stage-3 state dict layout])."""
     return full.to("cpu", copy=True) if _keeps_full(engine) else None
@@ -85,7 +85,7 @@ def _full(value: Tensor) -> Tensor:
 
 
 # ---------------------------------------------------------------- model
-def model_state_dict(engine: ShardedParams, sharded: bool) -> dict[str, Any]:
+def model_state_dict(engine: EngineView, sharded: bool) -> dict[str, Any]:
     """``module.state_dict()`` with every parameter full (rank 0; other ranks get ``{}``) or a DTensor."""
     mesh = _mesh(engine) if sharded else None
     values: dict[int, Tensor] = {}
@@ -99,7 +99,7 @@ def model_state_dict(engine: ShardedParams, sharded: bool) -> dict[str, Any]:
     return {k: values.get(id(t), t.detach()) for k, t in state.items()}
 
 
-def release(engine: ShardedParams, device: torch.device) -> None:
+def release(engine: EngineView, device: torch.device) -> None:
     """Gather every parameter into a tensor of its own on ``device`` and give the module back (one segment at a time;
     [Note: reading sharded parameters] in ``lightning_zero/zero/stage3/engine.py``). Collective."""
     for segment in engine.segments:  # the master values, in the dtype the module had before any cast
@@ -108,7 +108,7 @@ def release(engine: ShardedParams, device: torch.device) -> None:
     engine.detach_from_module()
 
 
-def model_template(engine: ShardedParams) -> dict[str, Any]:
+def model_template(engine: EngineView) -> dict[str, Any]:
     """What DCP loads a sharded model state into: DTensors for parameters, the module's buffers in place."""
     mesh = _mesh(engine)
     out = {}
@@ -122,7 +122,7 @@ def model_template(engine: ShardedParams) -> dict[str, Any]:
     return out
 
 
-def load_model_state_dict(engine: ShardedParams, state: dict[str, Any], strict: bool = True) -> None:
+def load_model_state_dict(engine: EngineView, state: dict[str, Any], strict: bool = True) -> None:
     """Load a full or sharded model state (any world size) into the shards; buffers are copied. ``strict``: the keys
     must be the module's state-dict keys exactly (as ``nn.Module.load_state_dict`` checks them), checked before any
     weight changes; otherwise what is missing keeps its value and what is unexpected is ignored."""
@@ -157,7 +157,7 @@ def _elementwise(value: Any, shape: torch.Size) -> bool:
     return isinstance(value, Tensor) and value.ndim > 0 and value.shape == shape
 
 
-def optimizer_state_dict(engine: ShardedParams, sharded: bool, k: int = 0) -> dict[str, Any]:
+def optimizer_state_dict(engine: EngineView, sharded: bool, k: int = 0) -> dict[str, Any]:
     """Optimizer ``k``'s state per parameter (see [Note: stage-3 state dict layout]); collective."""
     optimizer = engine.optimizers[k]
     mesh = _mesh(engine) if sharded else None
@@ -184,12 +184,12 @@ def optimizer_state_dict(engine: ShardedParams, sharded: bool, k: int = 0) -> di
     return {"state": state if _keeps_full(engine) else {}, "param_groups": groups}
 
 
-def _numbering(engine: ShardedParams, k: int) -> dict[int, int]:
+def _numbering(engine: EngineView, k: int) -> dict[int, int]:
     """The index of each parameter in optimizer ``k``'s unsharded state dict: its position across the groups."""
     return {id(p): n for n, p in enumerate(p for group in engine.original_groups_of[k] for p in group)}
 
 
-def optimizer_template(engine: ShardedParams, metadata: Metadata, prefix: str) -> dict[str, Any]:
+def optimizer_template(engine: EngineView, metadata: Metadata, prefix: str) -> dict[str, Any]:
     """What DCP loads ``prefix``'s sharded optimizer state into, shaped from the checkpoint's index."""
     mesh = _mesh(engine)
     state: dict[str, dict[str, Any]] = {}
@@ -211,7 +211,7 @@ def optimizer_template(engine: ShardedParams, metadata: Metadata, prefix: str) -
 
 
 def load_optimizer_state_dict(
-    engine: ShardedParams, state_dict: dict[str, Any], param_groups: list[dict], k: int = 0
+    engine: EngineView, state_dict: dict[str, Any], param_groups: list[dict], k: int = 0
 ) -> None:
     """Load a full (numbered) or sharded (named) state of optimizer ``k`` with ``param_groups``' hyper-parameters."""
     optimizer = engine.optimizers[k]

@@ -1,6 +1,6 @@
 """ZeRO-3 communication per optimizer step in theory, as the ledger counts it: pure functions, no processes.
 
-[Note: stage-3 traffic] The ledger (``lightning_zero/comm/collectives.py``) records an all-gather's output and a
+[Note: stage-3 traffic] The ledger (``lightning_zero/comm/ledger.py``) records an all-gather's output and a
 reduce-scatter's input, so for one segment of ``k`` elements per shard on N ranks both collectives count
 ``N * k * itemsize`` bytes, or ``N * (k + 4 * ceil(k / B))`` when sent as blockwise int8 in blocks of B (ZeRO++'s qwZ
 for the all-gather, qgZ for the reduce-scatter; [Note: blockwise quantization] in ``lightning_zero/comm/quantize.py``:

@@ -1,0 +1,34 @@
+"""A gradient bucket of :class:`~lightning_zero.dp.reducer.GradientReducer` (which parameters, where each sits in
+its buffer), and the dense form a sparse gradient takes to enter one. The bucket plans themselves are pure math in
+:mod:`lightning_zero.comm.bucketing`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+
+def dense_grad(grad: Tensor) -> Tensor:
+    """``grad`` as a dense tensor: a sparse gradient (``nn.Embedding(sparse=True)``) enters the dense buckets and
+    shards as its dense equal, so an optimizer that takes both (SGD, Adagrad) steps as under ``ddp``."""
+    return grad.to_dense() if grad.is_sparse else grad
+
+
+@dataclass
+class GradBucket:
+    """One bucket: its members (indices into the reducer's parameter list) and where each sits in the buffer.
+
+    ``numel`` may exceed the members' total (ZeRO pads the last bucket of a flat group); the extra is zero.
+    ``buffer`` is ``None`` while a transient bucket holds no gradient.
+    """
+
+    indices: tuple[int, ...]
+    offsets: tuple[int, ...]
+    numel: int
+    dtype: torch.dtype
+    device: torch.device
+    buffer: Tensor | None = None
+    views: list[Tensor] = field(default_factory=list)
