@@ -35,8 +35,8 @@ Candidates:
 - ``zero1_scratch``, ``zero2_scratch``: :class:`lightning_zero.ZeroStrategy` with ``stage=1`` / ``stage=2`` (default
   ``grad_sync``).
 - ``zero2_scratch_reduce_scatter``: ``zero2_scratch`` with ``grad_reduction="reduce_scatter"`` (each bucket's pieces
-  reduced into their owners; [Note: gradient reduction] in ``lightning_zero/zero/stage12.py``), the NCCL default,
-  timed on gloo to choose gloo's.
+  reduced into their owners; [Note: gradient reduction] in ``lightning_zero/zero/stage12_reduction.py``), the NCCL
+  default, timed on gloo to choose gloo's.
 - ``zero3_scratch_quantized``: ``zero3_scratch`` with ZeRO++'s qwZ and qgZ (``quantized_weights=True``,
   ``quantized_grads=True``: parameters all-gathered and gradients reduce-scattered as blockwise int8).
 - ``ddp_zero_redundancy``: Lightning's ``DDPStrategy()`` with the same AdamW inside torch's

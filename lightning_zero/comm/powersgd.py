@@ -222,7 +222,7 @@ class PowerSGDCompressor:
             self._check_size("Q memory", index, q_memory.numel(), q_numel)
             q_memory = q_memory.to(device=device, dtype=dtype)
         fresh = q_memory is None
-        if fresh:
+        if q_memory is None:
             q_memory = torch.empty(q_numel, dtype=dtype, device=device)
         p_memory = torch.empty(p_numel, dtype=dtype, device=device)
         ps, qs, p_at, q_at = [], [], 0, 0
@@ -303,12 +303,12 @@ class PowerSGDCompressor:
                     comm.all_gather(rows, tensor.view(-1), group=self.group, tag="checkpoint")
                 entry[name] = rows.view(world, tensor.numel()).cpu().clone()
             buckets[index] = entry
-        _, keys, position, has_gauss, cached_gaussian = self._rng.get_state()
+        generator = self._rng.get_state(legacy=False)  # the legacy tuple's values, typed in numpy's stubs
         rng = {
-            "keys": torch.from_numpy(keys.astype(np.int64)),
-            "pos": int(position),
-            "has_gauss": int(has_gauss),
-            "cached_gaussian": float(cached_gaussian),
+            "keys": torch.from_numpy(generator["state"]["key"].astype(np.int64)),
+            "pos": int(generator["state"]["pos"]),
+            "has_gauss": int(generator["has_gauss"]),
+            "cached_gaussian": float(generator["gauss"]),
         }
         return {"iteration": self.iteration, "world_size": world, "rng": rng, "buckets": buckets}
 

@@ -32,3 +32,10 @@ class GradBucket:
     device: torch.device
     buffer: Tensor | None = None
     views: list[Tensor] = field(default_factory=list)
+
+    @property
+    def bound_buffer(self) -> Tensor:
+        """``buffer`` where one is bound: a persistent bucket's, or a transient one's from its first gradient until
+        it is consumed."""
+        assert self.buffer is not None, "a transient bucket without a gradient has no buffer"
+        return self.buffer

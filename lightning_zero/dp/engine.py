@@ -122,7 +122,7 @@ class DataParallelEngine:
         return self._masters.get(id(getattr(optimizer, "_optimizer", optimizer)))
 
     @property
-    def master_pairs(self) -> list[tuple[Tensor, Tensor]]:
+    def master_pairs(self) -> list[tuple[nn.Parameter, nn.Parameter]]:
         """Every (parameter, its fp32 master) pair, when master weights are kept."""
         return [pair for masters in self._masters.values() for pair in masters.pairs]
 

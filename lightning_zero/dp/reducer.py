@@ -57,10 +57,8 @@ from lightning_zero.comm import watchdog
 from lightning_zero.comm.bucketing import assign_buckets
 from lightning_zero.comm.powersgd import PowerSGDCompressor
 from lightning_zero.dp.buckets import GradBucket, dense_grad
+from lightning_zero.dp.buffer_pool import BufferPool
 from lightning_zero.dp.unused import unused_error
-
-POOL_SIZE = 2
-"""Pool buffers of a transient reducer: one bucket filling while the previous one is reduced."""
 
 
 class GradientReducer:
@@ -90,7 +88,8 @@ class GradientReducer:
         compressor: averages the buckets instead of the plain all-reduce once it is ``compressing`` ([Note:
             compressed buckets]); persistent buckets only.
         reduce_bucket: launches a bucket's reduction instead of the all-reduce and returns its handle (ZeRO: each
-            piece reduced into the rank that owns it; [Note: gradient reduction] in ``lightning_zero/zero/stage12.py``).
+            piece reduced into the rank that owns it; [Note: gradient reduction] in
+            ``lightning_zero/zero/stage12_reduction.py``).
         ignored: ``ignored(p)`` says that ``p``'s gradient counts as not computed: its optimizer steps a stand-in
             (ZeRO's shard, a master) that ``LightningModule.toggle_optimizer`` turned off ([Note: toggled-off
             optimizers] in ``lightning_zero/optim/sharding.py``).
@@ -122,13 +121,7 @@ class GradientReducer:
         self._buckets = list(buckets)
         self.transient = transient
         self.on_reduced = on_reduced
-        # Transient mode: per (dtype, device), at most POOL_SIZE persistent buffers of the largest bucket's size.
-        self._pool: dict[tuple, list[Tensor]] = {}
-        self._free: dict[tuple, list[Tensor]] = {}
-        self._pool_numel: dict[tuple, int] = {}
-        for b in self._buckets:
-            key = (b.dtype, b.device)
-            self._pool_numel[key] = max(self._pool_numel.get(key, 0), b.numel)
+        self._pool = BufferPool(self._buckets)  # what a transient bucket borrows
         self.find_unused_parameters = find_unused_parameters
         self.group = group
         self.tag = tag
@@ -184,7 +177,7 @@ class GradientReducer:
         )
         buckets = []
         for layout in layouts:
-            dtype, device = layout.key
+            dtype, device = dtypes[layout.indices[0]], params[layout.indices[0]].device  # the layout's key
             buffer = torch.zeros(layout.numel, dtype=dtype, device=device)
             buckets.append(GradBucket(layout.indices, layout.offsets, layout.numel, dtype, device, buffer))
         return cls(params, [name for name, _ in named], buckets, **kwargs)
@@ -193,9 +186,7 @@ class GradientReducer:
     @property
     def buffers(self) -> list[Tensor]:
         """The persistent buffers: each bucket's (data parallelism) or the pool's (transient mode)."""
-        return (
-            [t for pool in self._pool.values() for t in pool] if self.transient else [b.buffer for b in self._buckets]
-        )
+        return self._pool.buffers if self.transient else [b.bound_buffer for b in self._buckets]
 
     @property
     def buckets(self) -> list[GradBucket]:
@@ -269,23 +260,15 @@ class GradientReducer:
         return bucket.views[self._slot_of[i]]
 
     def _borrow(self, bucket: GradBucket) -> Tensor:
-        key = (bucket.dtype, bucket.device)
-        pool, free = self._pool.setdefault(key, []), self._free.setdefault(key, [])
-        if not free and len(pool) < POOL_SIZE:
-            pool.append(torch.empty(self._pool_numel[key], dtype=bucket.dtype, device=bucket.device))
-            free.append(pool[-1])
-        while not free and self._in_flight:
+        while not self._pool.can_lend(bucket) and self._in_flight:
             self._drain(len(self._in_flight) - 1)  # the oldest launched bucket gives its buffer back
-        if free:
-            return free.pop()
-        # Both pool buffers hold buckets still filling (gradients arriving out of bucket order): a temporary one.
-        return torch.empty(bucket.numel, dtype=bucket.dtype, device=bucket.device)
+        return self._pool.lend(bucket)
 
     def _reset_pass(self) -> None:
         self._pending = [len(b.indices) for b in self._buckets]
         self._ready = [False] * len(self._params)
         self._next_launch = 0
-        self._in_flight: list[tuple[GradBucket, comm.Handle | None]] = []
+        self._in_flight: list[tuple[GradBucket, comm.Handle]] = []
         self._callback_queued = False
 
     def _holds_grad(self, i: int) -> bool:
@@ -301,9 +284,12 @@ class GradientReducer:
             if param.grad is not None:  # else _view's binding of a borrowed buffer took it in already
                 (view.add_ if self._in_buffer[i] else view.copy_)(dense_grad(param.grad).view_as(view))
                 param.grad = None
-        elif param.grad.is_sparse or param.grad.data_ptr() != view.data_ptr():
-            view.copy_(dense_grad(param.grad))
-            param.grad = view
+        else:
+            grad = param.grad
+            assert grad is not None  # a post-accumulate-grad hook: autograd has just accumulated it
+            if grad.is_sparse or grad.data_ptr() != view.data_ptr():
+                view.copy_(dense_grad(grad))
+                param.grad = view
         self._used[i] = self._in_buffer[i] = True
         if not self.require_backward_grad_sync:
             return
@@ -340,15 +326,17 @@ class GradientReducer:
             b = self._next_launch
             bucket = self._buckets[b]
             compressor = self.compressor
+            handle: comm.Handle | None
             if compressor is not None and compressor.compressing:  # [Note: compressed buckets]
-                compressor.all_reduce(b, bucket.buffer, self._members[b])
+                compressor.all_reduce(b, bucket.bound_buffer, self._members[b])
                 handle = comm.Handle()
             elif self.reduce_bucket is not None:
                 handle = self.reduce_bucket(bucket)
             else:
                 handle = comm.all_reduce(
-                    bucket.buffer, "avg", group=self.group, async_op=True, tag=self.tag, dtype=self.reduce_dtype
+                    bucket.bound_buffer, "avg", group=self.group, async_op=True, tag=self.tag, dtype=self.reduce_dtype
                 )
+            assert handle is not None  # launched with async_op=True
             self._in_flight.append((bucket, handle))
             self._next_launch += 1
             if compressor is not None and self._next_launch == len(self._buckets):
@@ -366,9 +354,7 @@ class GradientReducer:
                 for i in bucket.indices:
                     self._params[i].grad = None
                     self._in_buffer[i] = False
-                key = (bucket.dtype, bucket.device)
-                pool = self._pool.get(key, [])
-                self._free[key] += [b for b in pool if b.data_ptr() == bucket.buffer.data_ptr()]
+                self._pool.give_back(bucket)
                 bucket.buffer, bucket.views = None, []
 
     def _finish_pass(self) -> None:

@@ -45,7 +45,7 @@ CHECKPOINT_KEY = "robust_aggregation"
 
 
 def check_workers(workers_per_rank: Any, worker_momentum: Any) -> None:
-    """The worker settings (shared with the Hydra schema in :mod:`lightning_zero.tools.config`)."""
+    """The worker settings (shared with the Hydra schema in :mod:`lightning_zero.tools.config_schema`)."""
     if isinstance(workers_per_rank, bool) or not isinstance(workers_per_rank, int) or workers_per_rank < 1:
         raise ValueError(f"workers_per_rank={workers_per_rank!r} is invalid: expected an integer >= 1")
     if not 0 <= worker_momentum < 1:
@@ -56,7 +56,8 @@ def check_precision_settings(
     param_dtype: Any = "auto", reduce_dtype: Any = "auto", master_weights: bool = False, cast_module: bool = False
 ) -> None:
     """The aggregation runs in the parameters' dtype, on the parameters themselves: no master copies, no cast of
-    the module, no separate communication dtype (shared with the Hydra schema in :mod:`lightning_zero.tools.config`)."""
+    the module, no separate communication dtype (shared with the Hydra schema in
+    :mod:`lightning_zero.tools.config_schema`)."""
     if master_weights or cast_module or param_dtype not in ("auto", None):
         raise ValueError(
             "robust_ddp_scratch keeps no fp32 master weights: leave master_weights=False, cast_module=False and"
@@ -100,7 +101,7 @@ def build_engine(
 
 def check_sharding(sharded_aggregation: Any, aggregation_replicas: Any, world_size: int | None = None) -> None:
     """``sharded_aggregation`` and ``aggregation_replicas`` (``None``: before the world size is known; shared with the
-    Hydra schema in :mod:`lightning_zero.tools.config`)."""
+    Hydra schema in :mod:`lightning_zero.tools.config_schema`)."""
     if not isinstance(sharded_aggregation, bool):
         raise ValueError(f"sharded_aggregation={sharded_aggregation!r} is invalid: expected True or False")
     check_replicas(aggregation_replicas, world_size)

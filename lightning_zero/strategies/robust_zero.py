@@ -50,7 +50,7 @@ _NO_REDUCTION = ("grad_sync", "grad_reduction", "grad_accum_dtype", "shard_size"
 
 def check_settings(stage: Any, settings: dict[str, Any]) -> None:
     """``stage`` and what robust ZeRO refuses among ``settings`` (the strategy's keyword arguments; shared with the
-    Hydra schema in :mod:`lightning_zero.tools.config`)."""
+    Hydra schema in :mod:`lightning_zero.tools.config_schema`)."""
     if stage not in (1, 2):
         raise ValueError(
             f"stage={stage!r} is invalid for robust ZeRO: expected 1 or 2 (stage 3 gathers parameters per unit, while"

@@ -17,27 +17,19 @@ optimizer returned by
 driving it. Norm clipping (``gradient_clip_val`` with the default ``gradient_clip_algorithm="norm"``) uses the global
 norm across shards.
 
-Checkpoints (``trainer.save_checkpoint`` is collective: call it on every rank, as Lightning's ``ModelCheckpoint`` does,
-also after ``fit``; ``fit(ckpt_path=...)`` reads either kind, saved at any world size):
-
-- ``state_dict_type="sharded"`` (default): a directory (:mod:`lightning_zero.zero.checkpoint`); each rank writes its own
-  optimizer shard through ``torch.distributed.checkpoint``, the replicated weights are written once.
-- ``state_dict_type="full"``: one plain file from rank 0: full weights and the optimizer state gathered into the
-  format of the unsharded optimizer, so it loads with plain ``torch.load`` or ``LightningModule.load_from_checkpoint``.
+Checkpoints: :mod:`lightning_zero.strategies.zero_checkpoints`; what the strategy refuses or warns about:
+:mod:`lightning_zero.strategies.zero_guards`.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Generator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.pytorch.callbacks import BaseFinetuning, StochasticWeightAveraging, WeightAveraging
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -47,14 +39,11 @@ from typing_extensions import override
 
 from lightning_zero.comm.powersgd_config import refuse_on_zero
 from lightning_zero.optim.sharding import ShardAware
-from lightning_zero.strategies.base import ScratchParallelStrategy
 from lightning_zero.strategies.launcher import SpawnLauncher
+from lightning_zero.strategies.zero_guards import CLOSURE_TWICE, ZeroGuards
 from lightning_zero.training.distributed import ZERO_NAMES
 from lightning_zero.training.precision import DEFAULT
-from lightning_zero.zero.checkpointing import ZeroCheckpointer
-from lightning_zero.zero.grad_hooks import HOOKS, gradient_reads
 from lightning_zero.zero.grad_norm import shard_grad_norms
-from lightning_zero.zero.inplace import ParamVersions, check_renorming_modules
 from lightning_zero.zero.settings import QUANT_BLOCK_SIZE, ZeroSettings, build_stage3, build_stage12
 from lightning_zero.zero.stage3 import state as sp_state
 from lightning_zero.zero.stage3.engine import ShardedParams
@@ -64,11 +53,6 @@ from lightning_zero.zero.stage3.materialize import (
     meta_nbytes,
     rng_state,
     unreplayed_init,
-)
-from lightning_zero.zero.stage3.placeholder_reads import (
-    check_first_loss,
-    explain_placeholder_write,
-    warn_nan_metrics,
 )
 from lightning_zero.zero.stage12 import ShardedOptimizer
 
@@ -83,28 +67,7 @@ class _FullWeightsLauncher(SpawnLauncher):
             return super()._collect_rank_zero_results(trainer, results)
 
 
-_FINETUNING = (
-    "such a callback unfreezes parameters during the fit and maps the optimizer's param groups to module parameters,"
-    " but ZeRO shards the optimizer over the parameters trainable at setup. Declare them trainable from the start"
-    " (requires_grad=True, in their own optimizer param group with lr=0 until they should train), or use ddp_scratch,"
-    " which follows such changes."
-)
-_WEIGHT_AVERAGING = (
-    "such a callback reads and writes the module's parameters between steps, where stage 3 holds only this rank's"
-    " shard of them (Lightning supports neither under FSDP or DeepSpeed). Use zero1_scratch or zero2_scratch, which"
-    " keep the whole parameters on every rank."
-)
-
-
-_CLOSURE_TWICE = (
-    "{} evaluated the closure a second time in one step under {}: an optimizer that re-evaluates the loss (SAM, a"
-    " line search) reads or changes the weights between the two evaluations, which ZeRO holds as shards, so its step"
-    " would differ from ddp's. Use lightning_zero.optim.SAM (or implement lightning_zero.optim.ShardAware), or train"
-    " with ddp_scratch."
-)
-
-
-class ZeroStrategy(ScratchParallelStrategy):
+class ZeroStrategy(ZeroGuards):
     """ZeRO data parallelism: optimizer state (stage 1), gradients (stage 2) and parameters (stage 3) sharded.
 
     Args:
@@ -145,7 +108,7 @@ class ZeroStrategy(ScratchParallelStrategy):
             the whole bucket), ``"reduce_scatter"`` (each piece reduced into the rank that owns it, about DDP's bytes
             per step; stage 2, or stage 1 with ``grad_sync="microbatch"``) or ``"auto"`` (default:
             ``"reduce_scatter"`` on NCCL where it applies, else ``"all_reduce"``, the faster on gloo). See
-            [Note: gradient reduction] in ``lightning_zero/zero/stage12.py``.
+            [Note: gradient reduction] in ``lightning_zero/zero/stage12_reduction.py``.
         elementwise_optimizers: optimizer classes (or their import paths) to shard although they are not ``torch.optim``
             optimizers ZeRO knows: declare only those whose update of each element depends on that element alone.
             Any other such optimizer is refused ([Note: elementwise optimizers] in ``lightning_zero/zero/partition.py``;
@@ -200,19 +163,8 @@ class ZeroStrategy(ScratchParallelStrategy):
         super().__init__(**kwargs)
         self.settings = settings
         settings.apply_to(self)
-        self._engine: ShardedOptimizer | None = None
-        self._params: ShardedParams | None = None
         self._init_rng_state: dict[str, torch.Tensor] | None = None
-        self._model_loaded = False  # load_checkpoint loaded the weights too
-        self._first_loss_unchecked = False  # stage 3, fitting: see check_first_loss
-        self._nan_metrics_warned: set[str] = set()  # stage 3: see warn_nan_metrics
-        self._versions: ParamVersions | None = None  # fitting: [Note: parameters changed in place]
         self.strategy_name = f"zero{stage}_scratch"  # the registered name of this stage (run reports use it)
-
-    @property
-    def engine(self) -> ShardedOptimizer | ShardedParams | None:
-        """The ZeRO engine of the current (or last) fit, else ``None``."""
-        return self._params if self.stage == 3 else self._engine
 
     @property
     @override
@@ -330,28 +282,6 @@ class ZeroStrategy(ScratchParallelStrategy):
         self._setup_precision(trainer, cast_module=True)  # the engine computes in param_dtype outside fits too
         self.setup_precision_plugin()
 
-    def _check_callbacks(self, trainer: pl.Trainer) -> None:
-        """Refuse, by name and with the way out, the callbacks that change or read parameters ZeRO has sharded; warn
-        about hooks that touch gradients ZeRO leaves ``None`` ([Note: gradients in the hooks])."""
-        check_renorming_modules(self.lightning_module, self.strategy_name)
-        refused = {BaseFinetuning: _FINETUNING}
-        if self.stage == 3:
-            refused.update({StochasticWeightAveraging: _WEIGHT_AVERAGING, WeightAveraging: _WEIGHT_AVERAGING})
-        for kind, why in refused.items():
-            found = [type(c).__name__ for c in trainer.callbacks if isinstance(c, kind)]
-            if found:
-                raise ValueError(f"{self.strategy_name} cannot run {found}: {why}")
-        if self.stage >= 2 or self.settings.grad_sync == "microbatch":
-            for use in gradient_reads(self.lightning_module, trainer.callbacks):
-                rank_zero_warn(
-                    f"{use}, but under {self.strategy_name} a module parameter's p.grad is None in"
-                    f" {' and '.join(HOOKS)}: the averaged gradient exists only as this rank's shard. Clipping or"
-                    " scaling p.grad there changes nothing and Lightning's grad_norm returns nothing, where ddp would"
-                    " act on the gradient. Use gradient_clip_val or self.clip_gradients, lightning_zero.grad_norm,"
-                    " or ddp_scratch/zero1_scratch (grad_sync='boundary'), where p.grad holds the averaged gradient"
-                    " ([Note: gradients in the hooks] in lightning_zero/zero/grad_hooks.py)."
-                )
-
     def grad_norms(self, norm_type: float) -> dict[str, Tensor]:
         """The norm of each parameter's averaged gradient, by name, for the parameters that would have a ``p.grad``
         under ``ddp`` (see :func:`lightning_zero.grad_norm`). Collective."""
@@ -392,7 +322,7 @@ class ZeroStrategy(ScratchParallelStrategy):
         def closure_then_hold() -> Any:  # the optimizer runs the closure (the window's last backward) first
             calls.append(None)
             if len(calls) > 1 and not isinstance(optimizer, ShardAware):
-                raise RuntimeError(_CLOSURE_TWICE.format(type(optimizer).__name__, self.strategy_name))
+                raise RuntimeError(CLOSURE_TWICE.format(type(optimizer).__name__, self.strategy_name))
             output = closure()
             engine.before_step(optimizer)
             return output
@@ -400,65 +330,6 @@ class ZeroStrategy(ScratchParallelStrategy):
         output = super().optimizer_step(optimizer, closure_then_hold, model, **kwargs)
         engine.after_step(optimizer)  # stages 1 and 2 all-gather the updated shards; stage 3 gathers on next forward
         return output
-
-    @override
-    def on_exception(self, exception: BaseException) -> None:
-        super().on_exception(exception)
-        if self.stage == 3:
-            explain_placeholder_write(exception, self.strategy_name)
-
-    @override
-    def on_train_start(self) -> None:
-        super().on_train_start()
-        if self.lightning_module is not None:  # after any checkpoint was loaded into the parameters
-            self._versions = ParamVersions(self.lightning_module, self.strategy_name)
-
-    @contextmanager
-    def _writes_checked(self) -> Generator[None, None, None]:
-        """Around a training step: refuse parameters written in place since the last step or during it ([Note:
-        parameters changed in place] in ``lightning_zero/zero/inplace.py``)."""
-        if self._versions is not None:
-            self._versions.check("between two training steps (in a hook, a callback or a validation step)")
-        yield
-        if self._versions is not None:
-            self._versions.check("during training_step")
-
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._writes_checked():
-            output = super().training_step(*args, **kwargs)
-        if self._first_loss_unchecked:
-            self._first_loss_unchecked = False
-            check_first_loss(output, self.strategy_name)
-        return output
-
-    # Stage 3: a logged NaN may be a placeholder read (lightning_zero/zero/stage3/placeholder_reads.py); checked at
-    # the start of each training epoch (the previous epoch's end) and at the end of each run.
-    @override
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        super().on_train_batch_start(batch, batch_idx)
-        if batch_idx == 0:
-            self._warn_nan_metrics()
-
-    @override
-    def on_train_end(self) -> None:
-        super().on_train_end()
-        self._warn_nan_metrics()
-
-    @override
-    def on_validation_end(self) -> None:
-        super().on_validation_end()
-        self._warn_nan_metrics()
-
-    @override
-    def on_test_end(self) -> None:
-        super().on_test_end()
-        self._warn_nan_metrics()
-
-    def _warn_nan_metrics(self) -> None:
-        module = self.lightning_module
-        if self._params is not None and module is not None and module._trainer is not None:
-            warn_nan_metrics(module.trainer.callback_metrics, self.strategy_name, self._nan_metrics_warned)
 
     @contextmanager
     @override
@@ -478,65 +349,6 @@ class ZeroStrategy(ScratchParallelStrategy):
         if self._params is not None:
             self._params.reshard()  # the root unit stays gathered after a forward that has no backward
 
-    # ------------------------------------------------------------ checkpoints
-    @property
-    @override
-    def restore_checkpoint_after_setup(self) -> bool:
-        """Restore into the flat buffers and the sharded optimizer, which exist only after setup."""
-        return True
-
-    @property
-    @override
-    def lightning_restore_optimizer(self) -> bool:
-        return False  # load_checkpoint restores the optimizer shards itself
-
-    def _checkpointer(self) -> ZeroCheckpointer:
-        assert self.lightning_module is not None
-        return ZeroCheckpointer(self.lightning_module, self.engine, sharded=self.state_dict_type == "sharded")
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """Stage 3: the weights gathered (``"full"``, rank 0) or as per-parameter DTensors (``"sharded"``)."""
-        return self._checkpointer().model_state()
-
-    @override
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """This rank's share of the optimizer state (collective: Lightning calls it on every rank when saving)."""
-        checkpointer = self._checkpointer()
-        if not checkpointer.has_optimizer:
-            return super().optimizer_state(optimizer)
-        return checkpointer.optimizer_state(checkpointer.index(optimizer))
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        """[Note: checkpoint layout] in ``lightning_zero/zero/checkpointing.py``."""
-        write_full = super().save_checkpoint
-        self._checkpointer().save(checkpoint, filepath, lambda full: write_full(full, filepath, storage_options))
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Either kind, saved at any world size; the optimizer's shards, and the model where Lightning cannot load it
-        (sharded checkpoints, stage 3), are loaded here."""
-        read_full = self._load_full_file
-        checkpoint, self._model_loaded = self._checkpointer().load(
-            checkpoint_path, lambda p: read_full(p, weights_only)
-        )
-        return checkpoint
-
-    def _load_full_file(self, path: Any, weights_only: bool | None) -> dict[str, Any]:
-        """A full checkpoint, memory-mapped when it is a local file read by Lightning's default checkpoint IO: every
-        rank reads only the pages of its own pieces, and the ranks of a host share them, instead of each rank
-        loading every tensor."""
-        if isinstance(self.checkpoint_io, TorchCheckpointIO) and os.path.isfile(path):
-            return torch.load(path, map_location="cpu", weights_only=weights_only, mmap=True)
-        return super().load_checkpoint(path, weights_only=weights_only)
-
-    @override
-    def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
-        # load_checkpoint already loaded a sharded checkpoint (in place), or any checkpoint into stage 3's shards.
-        if not self._model_loaded:
-            self._checkpointer().load_model(checkpoint["state_dict"], strict)
-
     @override
     def teardown(self) -> None:
         # The engine outlives the fit: the optimizer stays sharded, and a ``trainer.save_checkpoint`` after ``fit``
@@ -554,9 +366,9 @@ class ZeroStrategy(ScratchParallelStrategy):
             self._teardown_precision()
             self._revert_layer_sync()
             return super().teardown()
-        # Stage 3 ([Note: reading sharded parameters] in lightning_zero/zero/stage3/engine.py): the full weights go back
-        # into the module on the CPU, as Lightning's ddp leaves them, when they fit there. Not after an error: the
-        # gather is collective, and the rank that failed may be the only one here.
+        # Stage 3 ([Note: reading sharded parameters] in lightning_zero/zero/stage3/placeholder_reads.py): the full
+        # weights go back into the module on the CPU, as Lightning's ddp leaves them, when they fit there. Not after
+        # an error: the gather is collective, and the rank that failed may be the only one here.
         params, cpu = self._params, torch.device("cpu")
         release = params is not None and succeeded and not params.released
         if release and self._whole_model_fits(params.full_nbytes, cpu, self.num_processes):

@@ -8,7 +8,7 @@ adds a key that nothing takes. :func:`check_overrides` looks at the overrides of
   be one of the group's configs in ``lightning_zero.conf`` (or ``null``);
 - ``trainer.<key>=`` (without ``+``): ``key`` must be an argument of ``lightning.pytorch.Trainer``;
 - ``strategy.<key>=`` (without ``+``), for one of our strategies chosen on the command line (or the default): ``key``
-  must be a setting of its schema (:mod:`lightning_zero.tools.config`).
+  must be a setting of its schema (:mod:`lightning_zero.tools.config_schema`).
 
 Sweep expressions (``choice(...)``, ``range(...)``, globs) and anything else are left to Hydra. Nothing here creates a
 run directory: a rejected command leaves nothing behind.

@@ -101,6 +101,11 @@ class ZeroCheckpointer:
         """``optimizer``'s position among the engine's optimizers."""
         return index_of(self.engine.optimizers if self.engine is not None else [], optimizer)
 
+    def _stage12(self) -> ShardedOptimizer:
+        """The stage-1/2 engine, where ``self.params`` is ``None`` and an optimizer is sharded."""
+        assert isinstance(self.engine, ShardedOptimizer)
+        return self.engine
+
     @property
     def has_optimizer(self) -> bool:
         return bool(self.order)
@@ -138,8 +143,7 @@ class ZeroCheckpointer:
         """This rank's share of optimizer ``k``'s state (full: rank 0 holds all of it, in the unsharded format)."""
         if self.params is not None:
             return sp_state.optimizer_state_dict(self.params, sharded=self.sharded, k=k)
-        assert isinstance(self.engine, ShardedOptimizer)
-        shards = self.engine.shards(k)
+        shards = self._stage12().shards(k)
         return so_state.sharded_state_dict(shards) if self.sharded else so_state.full_state_dict(shards)
 
     def save(self, checkpoint: dict[str, Any], path: str | Path, write_full: Callable[[dict[str, Any]], None]) -> None:
@@ -183,7 +187,7 @@ class ZeroCheckpointer:
                 tensors[prefix] = (
                     sp_state.optimizer_template(self.params, metadata, prefix)
                     if self.params is not None
-                    else so_state.sharded_template(self.engine.shards(k), metadata, prefix)
+                    else so_state.sharded_template(self._stage12().shards(k), metadata, prefix)
                 )
         load_tensors(path, tensors)
         param_groups = checkpoint.pop(PARAM_GROUPS, [])
@@ -200,7 +204,7 @@ class ZeroCheckpointer:
             if self.params is not None:
                 sp_state.load_optimizer_state_dict(self.params, state, state["param_groups"], k)
             else:
-                so_state.load_sharded_state_dict(self.engine.shards(k), state, state["param_groups"])
+                so_state.load_sharded_state_dict(self._stage12().shards(k), state, state["param_groups"])
         if isinstance(self.engine, ShardedOptimizer):
             self.engine.sync_after_load()  # master shards and parameters agree again
         return checkpoint, True
@@ -224,7 +228,7 @@ class ZeroCheckpointer:
         else:
             flat = all(k.startswith("optimizer_0.state.group") for k in keys)
             saved = "stage 1 or 2" if flat else "stage 3"
-        mine = 3 if self.params is not None else self.engine.stage
+        mine = 3 if self.params is not None else self._stage12().stage
         if flat != (mine != 3):
             layout = "one flat tensor per param group" if flat else "one tensor per parameter"
             raise CheckpointError(
@@ -238,7 +242,7 @@ class ZeroCheckpointer:
         if self.params is not None:
             sp_state.load_optimizer_state_dict(self.params, state, state["param_groups"], k)
         else:
-            so_state.load_full_state_dict(self.engine.shards(k), state)
+            so_state.load_full_state_dict(self._stage12().shards(k), state)
 
     def load_model(self, state_dict: dict[str, Any], strict: bool = True) -> None:
         """A full model state into the model (stage 3: into the shards), as ``nn.Module.load_state_dict`` would."""

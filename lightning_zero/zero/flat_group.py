@@ -39,14 +39,13 @@ Gradient storage, by ``stage`` and ``grad_sync``:
 
 from __future__ import annotations
 
-from collections.abc import Hashable
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_zero.comm.bucketing import assign_buckets
-from lightning_zero.dp.buckets import GradBucket
 from lightning_zero.zero.partition import FlatLayout, flat_layout
 
 
@@ -56,8 +55,8 @@ class FlatGroup:
     def __init__(
         self,
         index: int,
-        original_params: list[Tensor],
-        params: list[Tensor],
+        original_params: list[nn.Parameter],
+        params: list[nn.Parameter],
         names: list[str],
         world_size: int,
         rank: int,
@@ -123,64 +122,15 @@ class FlatGroup:
         return [name_of[id(p)] for p in self.original_params if id(p) in name_of]
 
 
+@dataclass
 class OptimizerShards:
-    """Optimizer ``index``'s part of a ZeRO-1/2 engine: its flat groups (numbered as its param groups) and the
-    optimizer, with the rest of the engine's attributes (``group``, ``rank``, ...) read through. The state dicts of
+    """One optimizer's part of a ZeRO-1/2 engine (:meth:`ShardedOptimizer.shards`): the optimizer, its flat groups
+    (numbered as its param groups) and the engine's process groups and rank. The state dicts of
     :mod:`lightning_zero.zero.stage12_state` are made of one such part each."""
 
-    def __init__(self, engine: Any, index: int) -> None:  # a ShardedOptimizer, whose module imports this one
-        self.engine, self.index = engine, index
-        self.optimizer = engine.optimizers[index]
-        self.groups = [g for g in engine.groups if g.optimizer_index == index]
-
-    @property
-    def masters_loaded(self) -> bool:
-        return self.engine.masters_loaded
-
-    @masters_loaded.setter
-    def masters_loaded(self, value: bool) -> None:
-        self.engine.masters_loaded = value
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.engine, name)
-
-
-def group_buckets(
-    module: nn.Module, groups: list[FlatGroup], bucket_cap_bytes: int, persistent: bool
-) -> tuple[list[tuple[str, nn.Parameter, FlatGroup, int]], list[GradBucket], dict[int, tuple[FlatGroup, int, int]]]:
-    """The gradient buckets over ``groups``' flat parameters, capped at ``bucket_cap_bytes`` and never spanning two
-    groups: ``(entries, buckets, bucket_range)``, with ``entries`` every trainable parameter as ``(name, param, group,
-    flat offset)`` in reverse registration order (the order gradients arrive in) and ``bucket_range[id(bucket)]`` its
-    ``(group, lo, hi)`` range of the flat. A persistent bucket (stage 1, ``"boundary"``) is a view of its group's full
-    flat gradient, made here on first use."""
-    # Every trainable parameter in reverse registration order, tagged with its group and flat offset.
-    entries = []
-    where = {id(p): (g, offset) for g in groups for p, offset in zip(g.params, g.layout.offsets)}
-    for name, p in reversed(list(module.named_parameters())):
-        if id(p) in where:
-            entries.append((name, p, *where[id(p)]))
-    layouts = assign_buckets(
-        [p.numel() for _, p, _, _ in entries],
-        [torch.empty((), dtype=g.grad_dtype).element_size() for _, _, g, _ in entries],
-        [g.key for _, _, g, _ in entries],
-        bucket_cap_bytes,
-    )
-    buckets: list[GradBucket] = []
-    bucket_range: dict[int, tuple[FlatGroup, int, int]] = {}
-    by_key: dict[Hashable, FlatGroup] = {g.key: g for g in groups}  # a bucket's key is its group's
-    for layout in layouts:
-        g = by_key[layout.key]
-        members = [entries[i] for i in layout.indices]
-        lo = min(offset for *_, offset in members)
-        hi = max(offset + p.numel() for _, p, _, offset in members)
-        if hi == g.layout.numel:
-            hi = g.layout.padded_numel  # the bucket holding the group's end carries the padding
-        offsets = tuple(offset - lo for *_, offset in members)
-        bucket = GradBucket(layout.indices, offsets, hi - lo, g.grad_dtype, g.flat.device)
-        if persistent:
-            if g.flat_grad is None:
-                g.flat_grad = torch.zeros_like(g.flat, dtype=g.grad_dtype)
-            bucket.buffer = g.flat_grad.narrow(0, lo, hi - lo)
-        bucket_range[id(bucket)] = (g, lo, hi)
-        buckets.append(bucket)
-    return entries, buckets, bucket_range
+    optimizer: torch.optim.Optimizer
+    groups: list[FlatGroup]
+    group: dist.ProcessGroup | None  # the shard group (``None``: the default group)
+    replicate_group: dist.ProcessGroup | None  # hybrid sharding's replicas (``None``: none)
+    rank: int  # in ``group``
+    on_masters_loaded: Callable[[], None]  # a state dict brought master values: the engine gathers them after

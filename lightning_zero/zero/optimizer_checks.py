@@ -64,7 +64,7 @@ def check_group_count(saved: int, expected: int) -> None:
 
 def check_grad_reduction(grad_reduction: str, stage: int, grad_sync: str | None) -> None:
     """Raise unless ``grad_reduction`` is one of :data:`GRAD_REDUCTIONS` and applies to ``stage`` with ``grad_sync``
-    (``None``: the stage's default) ([Note: gradient reduction])."""
+    (``None``: the stage's default) ([Note: gradient reduction] in ``lightning_zero/zero/stage12_reduction.py``)."""
     if grad_reduction not in GRAD_REDUCTIONS:
         raise ValueError(f"grad_reduction={grad_reduction!r} is invalid: expected one of {GRAD_REDUCTIONS}")
     if stage == 3 and grad_reduction != "auto":

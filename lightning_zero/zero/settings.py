@@ -35,7 +35,7 @@ magnitude among 512 neighbours, not among a whole shard's. Larger blocks save at
 
 def check_quantization(quant_block_size: Any, quantized_grads: bool, reduce_dtype: Any) -> None:
     """The ZeRO++ settings that do not depend on the stage (shared with the Hydra schema in
-    :mod:`lightning_zero.tools.config`)."""
+    :mod:`lightning_zero.tools.config_schema`)."""
     if isinstance(quant_block_size, bool) or not isinstance(quant_block_size, int) or quant_block_size < 1:
         raise ValueError(f"quant_block_size={quant_block_size!r} is invalid: expected an integer >= 1")
     dtype = parse_dtype("reduce_dtype", reduce_dtype)

@@ -12,18 +12,8 @@ Runbook::
 The tensors an engine holds, and where gradients are stored by ``stage`` and ``grad_sync``: [Note: tensor roles] in
 ``lightning_zero/zero/flat_group.py``.
 
-[Note: gradient reduction] A gradient bucket is a contiguous range ``[lo, hi)`` of a flat group; each rank needs only
-the part inside its shard. ``grad_reduction`` chooses how the bucket is averaged:
-- ``"all_reduce"``: every rank receives the whole averaged bucket and keeps its part. A ring all-reduce moves
-  2(N-1)/N of the bucket per rank, so with the parameter all-gather after the step ((N-1)/N) a step moves 3(N-1)/N
-  x 4Ψ per rank, 1.5x DDP's 2(N-1)/N x 4Ψ.
-- ``"reduce_scatter"`` (DeepSpeed's ``reduce_scatter``): the bucket is cut where shards end, and each piece is reduced
-  (summed) into the rank that owns it and divided there, so every rank receives only its shard of the gradient, and a
-  step moves about as much as DDP's. Only for transient buckets (stage 2, or stage 1 with ``"microbatch"``): stage 1's
-  ``"boundary"`` mode keeps the full averaged gradient (``p.grad``) on every rank. Under hybrid sharding the pieces
-  are reduced in the shard group, then each owned piece is all-reduced across the replicas.
-- ``"auto"``: ``"reduce_scatter"`` where the backend has native reductions to one rank (NCCL) and the buckets are
-  transient, else ``"all_reduce"``: on gloo the all-reduce measured faster (docs/guide/communication.md).
+How gradient buckets are averaged and reduced into the shards: [Note: gradient reduction] in
+``lightning_zero/zero/stage12_reduction.py``.
 """
 
 from __future__ import annotations
@@ -37,20 +27,19 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_zero.comm import collectives as comm
-from lightning_zero.dp.buckets import GradBucket
 from lightning_zero.dp.reducer import GradientReducer
 from lightning_zero.optim.sharding import ShardAware, Sharding, restart_on_zero_grad, toggled_off
-from lightning_zero.zero.flat_group import FlatGroup, OptimizerShards, group_buckets
+from lightning_zero.zero.flat_group import FlatGroup, OptimizerShards
 from lightning_zero.zero.grad_norm import clip_grad_norm_, total_grad_norm
 from lightning_zero.zero.optimizer_checks import (
     GRAD_SYNC_MODES,
     check_disjoint,
-    check_grad_reduction,
     check_in_optimizer,
     index_of,
     set_aside_state,
 )
 from lightning_zero.zero.partition import check_elementwise
+from lightning_zero.zero.stage12_reduction import ShardGradients, resolve_grad_reduction
 from lightning_zero.zero.stage12_state import load_full_state_dict
 from lightning_zero.zero.unused import HeldPieces, ParamPieces, param_pieces
 
@@ -103,8 +92,8 @@ class ShardedOptimizer:
         reduce_dtype: torch.dtype | None = None,
         accum_dtype: torch.dtype | None = None,
         grad_reduction: str = "auto",
-        group: object = None,
-        replicate_group: object = None,
+        group: dist.ProcessGroup | None = None,
+        replicate_group: dist.ProcessGroup | None = None,
         reduce_gradients: bool = True,
         elementwise_optimizers: Collection[type] = (),
     ) -> None:
@@ -120,7 +109,7 @@ class ShardedOptimizer:
         self.stage, self.grad_sync, self.group, self.optimizers = stage, grad_sync, group, optimizers
         self.persistent = stage == 1 and grad_sync == "boundary"
         self.replicate_group = replicate_group
-        self.grad_reduction = self._resolve_reduction(grad_reduction)
+        self.grad_reduction = resolve_grad_reduction(grad_reduction, stage, grad_sync, self.persistent, group)
         self.world_size, self.rank = comm.world_size(group), comm.rank(group)
 
         order = {id(p): i for i, p in enumerate(module.parameters())}
@@ -161,7 +150,15 @@ class ShardedOptimizer:
         self._unused_given: set[str] = set()  # reduce_gradients=False: what set_shard_grads was told no rank used
         self.reducer: GradientReducer | None = None
         if reduce_gradients:
-            self.reducer = self._build_reducer(module, bucket_cap_bytes, find_unused_parameters, reduce_dtype)
+            gradients = ShardGradients(
+                self.groups,
+                persistent=self.persistent,
+                grad_reduction=self.grad_reduction,
+                reduce_dtype=reduce_dtype,
+                group=group,
+                replicate_group=replicate_group,
+            )
+            self.reducer = gradients.reducer(module, bucket_cap_bytes, find_unused_parameters)
         else:  # the gradient storage the reducer would have made: stage 1's full flat gradient, else the shard's
             for g in self.groups:
                 if self.persistent:
@@ -176,77 +173,6 @@ class ShardedOptimizer:
             if isinstance(opt, ShardAware):  # [Note: shard-aware optimizers] in lightning_zero/optim/sharding.py
                 opt.attach_sharding(Sharding(partial(self.total_grad_norm, opt), partial(self._gather_params, opt)))
             restart_on_zero_grad(opt, partial(self.restart_window, opt))  # [Note: zero_grad reaches the engine]
-
-    def _resolve_reduction(self, grad_reduction: str) -> str:
-        """``grad_reduction`` checked against the gradient storage, ``"auto"`` resolved ([Note: gradient
-        reduction])."""
-        check_grad_reduction(grad_reduction, self.stage, self.grad_sync)
-        if grad_reduction != "auto":
-            return grad_reduction
-        nccl = comm.is_initialized() and dist.get_backend(self.group) == "nccl"
-        return "reduce_scatter" if nccl and not self.persistent else "all_reduce"
-
-    def _reduce_to_owners(self, bucket: GradBucket) -> comm.Handle:
-        """Launch the average of ``bucket`` into the ranks that own its pieces ([Note: gradient reduction])."""
-        g, lo, hi = self._bucket_range[id(bucket)]
-        handles, mine = [], None
-        for r in range(self.world_size):
-            owned_lo, owned_hi = g.layout.owned(r, lo, hi)
-            if owned_lo == owned_hi:
-                continue
-            piece = bucket.buffer.narrow(0, owned_lo - lo, owned_hi - owned_lo)
-            dst = r if self.group is None else dist.get_global_rank(self.group, r)
-            kwargs = {"group": self.group, "async_op": True, "tag": "grads", "dtype": self.reduce_dtype}
-            handles.append(comm.reduce(piece, dst, "sum", **kwargs))
-            mine = piece if r == self.rank else mine
-
-        def average() -> None:
-            if mine is None:
-                return
-            mine.div_(self.world_size)
-            if self.replicate_group is not None:  # hybrid: the shard group's average, averaged across the replicas
-                comm.all_reduce(mine, "avg", group=self.replicate_group, tag="grads", dtype=self.reduce_dtype)
-
-        return comm.Handle(handles, then=average)
-
-    def _build_reducer(
-        self, module: nn.Module, bucket_cap_bytes: int, find_unused: bool, reduce_dtype: torch.dtype | None
-    ) -> GradientReducer:
-        entries, buckets, self._bucket_range = group_buckets(module, self.groups, bucket_cap_bytes, self.persistent)
-        group_of = {id(p): g for _, p, g, _ in entries}
-        if not self.persistent:
-            for g in self.groups:
-                g.shard_grad = torch.zeros_like(g.shard, dtype=g.grad_dtype)
-        return GradientReducer(
-            [p for _, p, _, _ in entries],
-            [name for name, *_ in entries],
-            buckets,
-            transient=not self.persistent,
-            on_reduced=self._on_bucket_reduced,
-            find_unused_parameters=find_unused,
-            group=self.group if self.replicate_group is None else None,  # hybrid: the average over every rank
-            reduce_dtype=reduce_dtype,
-            reduce_bucket=self._reduce_to_owners if self.grad_reduction == "reduce_scatter" else None,
-            ignored=lambda p: not group_of[id(p)].shard.requires_grad,  # [Note: toggled-off optimizers]
-        )
-
-    def _on_bucket_reduced(self, bucket: GradBucket) -> None:
-        g, lo, hi = self._bucket_range[id(bucket)]
-        first, g.accumulating = not g.accumulating, True  # first: the first reduction since the last step
-        if self.persistent:
-            if not g.casts_grad:
-                g.shard.grad = g.shard_of_flat_grad()
-            return
-        if g.casts_grad and first:
-            g.shard_grad.zero_()  # the last window's sum went to shard.grad in before_step
-        elif not g.casts_grad and g.shard.grad is None:  # zeroed by the optimizer: a new window
-            g.shard_grad.zero_()
-            g.shard.grad = g.shard_grad
-        owned_lo, owned_hi = g.layout.owned(self.rank, lo, hi)
-        if owned_lo < owned_hi:
-            g.shard_grad.narrow(0, owned_lo - g.start, owned_hi - owned_lo).add_(
-                bucket.buffer.narrow(0, owned_lo - lo, owned_hi - owned_lo)
-            )
 
     # ---------------------------------------------------------------- public
     @property
@@ -274,7 +200,12 @@ class ShardedOptimizer:
 
     def shards(self, k: int) -> OptimizerShards:
         """Optimizer ``k``'s part of the engine (what its state dicts are made of)."""
-        return OptimizerShards(self, k)
+        groups = [g for g in self.groups if g.optimizer_index == k]
+        return OptimizerShards(self.optimizers[k], groups, self.group, self.replicate_group, self.rank, self._loaded)
+
+    def _loaded(self) -> None:
+        """A state dict brought master values into the shards: :meth:`sync_after_load` gathers the parameters."""
+        self.masters_loaded = True
 
     def clip_grad_norm_(self, max_norm: float, optimizer: torch.optim.Optimizer | None = None) -> Tensor:
         """Scale the shard gradients (of ``optimizer``'s parameters) so the *global* gradient norm is at most
@@ -333,6 +264,7 @@ class ShardedOptimizer:
         for g in groups:
             if g.casts_grad and g.accumulating:
                 grad = g.shard_of_flat_grad() if self.persistent else g.shard_grad
+                assert grad is not None  # transient buckets: the shard accumulator exists from the start
                 g.shard.grad = grad.to(g.shard.dtype)  # dropped again in after_step
                 g.accumulating = False
         if self.find_unused_parameters:
@@ -361,7 +293,7 @@ class ShardedOptimizer:
         for g in self._groups_of(optimizer):  # a master shard is rounded to the gather dtype on the way
             comm.all_gather(g.flat, g.shard.detach(), group=self.group, tag="params", dtype=g.gather_dtype)
 
-    def set_shard_grads(self, values: Tensor, unused: set[str] = frozenset()) -> None:
+    def set_shard_grads(self, values: Tensor, unused: Collection[str] = frozenset()) -> None:
         """Gradients from outside (``reduce_gradients=False``): ``values`` holds this rank's shard of every group's
         gradient, group after group, without the padding. They become the shard gradients; stage 1 (``"boundary"``)
         all-gathers them into its full flat gradient, whose views become the ``p.grad`` (as after its reduction).

@@ -48,12 +48,12 @@ def _elementwise(g: FlatGroup, value: object) -> bool:
 
 def _load_shards(engine: OptimizerShards, sharded_state: dict[int, dict], param_groups: list[dict]) -> None:
     """Load per-group shard state with the saved hyper-parameters into the rebuilt optimizer; master values go into
-    the shards (the module's parameters follow in ``engine.sync_after_load``)."""
+    the shards (the module's parameters follow in ``ShardedOptimizer.sync_after_load``)."""
     for index, entry in sharded_state.items():
         master = entry.pop("master", None)
         if master is not None:
             engine.groups[index].shard.data.copy_(master)
-            engine.masters_loaded = True
+            engine.on_masters_loaded()
     engine.optimizer.load_state_dict(
         {"state": sharded_state, "param_groups": [{**hp, "params": [i]} for i, hp in enumerate(param_groups)]}
     )
@@ -61,10 +61,14 @@ def _load_shards(engine: OptimizerShards, sharded_state: dict[int, dict], param_
 
 # ---------------------------------------------------------------- sharded
 def _to_dtensor(engine: OptimizerShards, g: FlatGroup, shard_tensor: Tensor) -> DTensor:
-    mesh = DeviceMesh.from_group(engine.group or dist.group.WORLD, g.flat.device.type)
+    group = engine.group or dist.group.WORLD
+    assert group is not None  # DCP runs with the process group initialised
+    mesh = DeviceMesh.from_group(group, g.flat.device.type)
     real = max(0, min(g.end, g.layout.numel) - g.start)  # padding is not part of the saved tensor
     local = shard_tensor.narrow(0, 0, real)
-    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=(g.layout.numel,), stride=(1,))
+    return DTensor.from_local(
+        local, mesh, [Shard(0)], run_check=False, shape=torch.Size((g.layout.numel,)), stride=(1,)
+    )
 
 
 def sharded_state_dict(engine: OptimizerShards) -> dict[str, Any]:

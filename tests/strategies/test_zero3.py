@@ -93,8 +93,9 @@ def _unsharded_bytes(engine: ShardedParams) -> int:
     reductions in flight, buffers kept for reuse."""
     total = sum(s.full.untyped_storage().nbytes() for s in engine.segments)
     total += sum(s.grad_full.untyped_storage().nbytes() for s in engine.segments if s.grad_full is not None)
-    total += sum(buffer.nbytes for free in engine._cache.values() for buffer in free)  # reusable within the step
-    return total + sum(grad.nbytes + (out is not s.grad_acc) * out.nbytes for _, s, out, grad, _ in engine._pending)
+    total += sum(buffer.nbytes for free in engine._reducer.cache.values() for buffer in free)  # reusable in the step
+    pending = engine._reducer.pending
+    return total + sum(grad.nbytes + (out is not s.grad_acc) * out.nbytes for _, s, out, grad, _ in pending)
 
 
 class _Probe(ModelStateProbe):
@@ -103,15 +104,15 @@ class _Probe(ModelStateProbe):
     def on_train_start(self, trainer, pl_module):
         engine = trainer.strategy.engine
         self.peak = 0
-        for name in ("_gather", "_on_grad", "_complete"):
-            method = getattr(engine, name)
+        for owner, name in ((engine._gathers, "gather"), (engine, "_on_grad"), (engine, "_complete")):
+            method = getattr(owner, name)
 
             def sampled(*args, _method=method, **kwargs):
                 out = _method(*args, **kwargs)
                 self.peak = max(self.peak, _unsharded_bytes(engine))
                 return out
 
-            setattr(engine, name, sampled)
+            setattr(owner, name, sampled)
         self.largest_unit = max(sum(s.nbytes for s in u.segments) for u in engine.units)
         self.padded_bytes = sum(s.nbytes for s in engine.segments)
 

@@ -1,21 +1,31 @@
-"""Stage 3: making a read of a placeholder visible ([Note: reading sharded parameters] in
-``lightning_zero/zero/stage3/engine.py``).
+"""Stage 3: making a read of a placeholder visible.
 
-Outside its unit's forward and backward a module parameter is a placeholder that reads as NaN, so whatever is computed
-from it is NaN where Lightning's ``ddp`` computes a number. :func:`check_first_loss` stops a fit whose first loss is
-not finite, before its backward; :func:`warn_nan_metrics` warns, once per metric, about a logged metric that is NaN (a
-weight norm logged in ``on_train_epoch_end``, a metric of a validation step that reads a weight outside a forward).
+[Note: reading sharded parameters] Outside its unit's forward and backward a module parameter is a placeholder that
+reads as NaN. The root unit is gathered before each step (``ShardedParams.gather_root``), for the parameters a step
+uses outside any module's forward (a LightningModule's own); any other read (an L2 penalty over self.parameters() after
+the forward) computes with NaN: ZeroStrategy stops a fit whose first loss is not finite, before its backward, and warns
+about a logged metric that is NaN (below). A fit that ends hands the full weights back (sharded_params_state.release,
+when they fit in memory), and until then a state_dict() of a module holding placeholders raises instead of returning
+NaN (:class:`StateDictGuard`).
+
+What is computed from a placeholder is NaN where Lightning's ``ddp`` computes a number: :func:`check_first_loss` stops a
+fit whose first loss is not finite, before its backward; :func:`warn_nan_metrics` warns, once per metric, about a logged
+metric that is NaN (a weight norm logged in ``on_train_epoch_end``, a metric of a validation step that reads a weight
+outside a forward).
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from torch import Tensor
+from torch import Tensor, nn
+
+from lightning_zero.zero.stage3.segments import Segment, Unit, UnitState
 
 
 def check_first_loss(output: Any, name: str) -> None:
@@ -71,3 +81,36 @@ def _add_note(exception: BaseException, note: str) -> None:
         exception.add_note(note)
     else:
         exception.args = (f"{exception.args[0] if exception.args else ''}\n{note}", *exception.args[1:])
+
+
+class StateDictGuard:
+    """A ``state_dict`` pre-hook that raises when the module holds placeholders ([Note: reading sharded
+    parameters]); ``where``: the engine's ``id(param) -> (unit, segment, index)``."""
+
+    def __init__(self, where: Mapping[int, tuple[Unit, Segment, int]]) -> None:
+        self._where = where
+        self._reading = False
+
+    @contextmanager
+    def reading(self) -> Iterator[None]:
+        """Inside, ``state_dict()`` of the sharded module is allowed (for code that reads only keys and buffers)."""
+        previous, self._reading = self._reading, True
+        try:
+            yield
+        finally:
+            self._reading = previous
+
+    def check(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        sharded = [
+            name
+            for name, p in module.named_parameters(recurse=False)
+            if id(p) in self._where and self._where[id(p)][0].state is UnitState.SHARDED
+        ]
+        if sharded and not self._reading:
+            raise RuntimeError(
+                f"the parameters of {prefix.rstrip('.') or 'the module'} ({sharded}) are sharded by zero3_scratch: this"
+                " rank holds placeholders that read as NaN. Read them inside"
+                " `with trainer.strategy.engine.summon_full_params():` (on every rank), or save"
+                " `trainer.save_checkpoint(path)`. After a fit the full weights come back into the module when they"
+                " fit in memory (ZeroStrategy(model_init=...) decides)."
+            )

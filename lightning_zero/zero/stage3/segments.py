@@ -16,6 +16,13 @@ from lightning_zero.comm import collectives as comm
 from lightning_zero.zero.partition import flat_layout
 from lightning_zero.zero.stage3.units import UnitPlan
 
+SegmentKey = str | tuple[int, int]
+"""Which parameters a segment holds: :data:`FROZEN` or :data:`TRAINABLE` ones, or one ``(optimizer, param group)``'s."""
+
+FROZEN, TRAINABLE = "frozen", "trainable"
+"""Segment keys before :meth:`~lightning_zero.zero.stage3.engine.ShardedParams.attach_optimizer` (after it,
+trainable keys are ``(optimizer, param group)`` indices)."""
+
 
 class UnitState(enum.Enum):
     SHARDED = "sharded"  # only shards exist; module parameters are placeholders
@@ -28,7 +35,7 @@ class Segment:
 
     def __init__(
         self,
-        key: int | str,
+        key: SegmentKey,
         params: list[nn.Parameter],
         names: list[str],
         world_size: int,

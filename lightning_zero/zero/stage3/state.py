@@ -101,7 +101,7 @@ def model_state_dict(engine: EngineView, sharded: bool) -> dict[str, Any]:
 
 def release(engine: EngineView, device: torch.device) -> None:
     """Gather every parameter into a tensor of its own on ``device`` and give the module back (one segment at a time;
-    [Note: reading sharded parameters] in ``lightning_zero/zero/stage3/engine.py``). Collective."""
+    [Note: reading sharded parameters] in ``lightning_zero/zero/stage3/placeholder_reads.py``). Collective."""
     for segment in engine.segments:  # the master values, in the dtype the module had before any cast
         for p, full in zip(segment.params, _per_param(engine, segment, segment.shard)):
             p.data = full.to(device, dtype=segment.module_dtype, copy=True)
