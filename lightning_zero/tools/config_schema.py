@@ -15,7 +15,9 @@ import pydoc
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Optional
+from typing import Any, Optional, cast
+
+from omegaconf import MISSING
 
 from lightning_zero.comm.powersgd_config import compression_config
 from lightning_zero.comm.watchdog import DEFAULT_TIMEOUT as DEFAULT_COLLECTIVE_TIMEOUT
@@ -88,11 +90,24 @@ def _check_state_dict_type(value: Any) -> None:
 
 
 @dataclass
-class ScratchDDPStrategyConf:
-    """Schema of ``strategy=ddp_scratch`` (:class:`lightning_zero.ScratchDDPStrategy`)."""
+class _LaunchConf:
+    """The process-group settings every strategy takes (``_target_`` first: it opens the composed config)."""
 
-    _target_: str = "lightning_zero.ScratchDDPStrategy"
-    bucket_size_mb: float = 25.0
+    _target_: str = MISSING
+    process_group_backend: Optional[str] = None
+    timeout: float = 1800.0
+    collective_timeout: Optional[float] = DEFAULT_COLLECTIVE_TIMEOUT
+    start_method: str = "popen"
+
+    def __post_init__(self) -> None:
+        _check_common(self.process_group_backend, self.timeout, self.start_method, self.collective_timeout)
+
+
+@dataclass
+class _DataParallelConf(_LaunchConf):
+    """The settings of :class:`~lightning_zero.strategies.base.ScratchParallelStrategy` that ``ddp_scratch``, the
+    ZeRO strategies and the robust ones share (a subclass may change a default: the robust ones keep no masters)."""
+
     find_unused_parameters: bool = False
     broadcast_buffers: bool = True
     param_dtype: Optional[str] = "auto"
@@ -100,24 +115,31 @@ class ScratchDDPStrategyConf:
     master_weights: bool = True
     cast_module: bool = False
     activation_checkpointing_policy: Optional[list[str]] = None
-    process_group_backend: Optional[str] = None
-    timeout: float = 1800.0
-    collective_timeout: Optional[float] = DEFAULT_COLLECTIVE_TIMEOUT
-    start_method: str = "popen"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_precision_settings(self)
+        _check_module_classes(self)
+
+
+@dataclass
+class ScratchDDPStrategyConf(_DataParallelConf):
+    """Schema of ``strategy=ddp_scratch`` (:class:`lightning_zero.ScratchDDPStrategy`)."""
+
+    _target_: str = "lightning_zero.ScratchDDPStrategy"
+    bucket_size_mb: float = 25.0
     grad_compression: Optional[str] = None
     powersgd: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         _check_bucket(self.bucket_size_mb)
-        _check_common(self.process_group_backend, self.timeout, self.start_method, self.collective_timeout)
-        _check_precision_settings(self)
-        _check_module_classes(self)
         with as_config_error():
             compression_config(self.grad_compression, self.powersgd, reduce_dtype=self.reduce_dtype)
 
 
 @dataclass
-class ZeroStrategyConf:
+class ZeroStrategyConf(_DataParallelConf):
     """Schema of ``strategy=zero{1,2,3}_scratch`` (:class:`lightning_zero.ZeroStrategy`)."""
 
     _target_: str = "lightning_zero.ZeroStrategy"
@@ -129,12 +151,6 @@ class ZeroStrategyConf:
     min_num_params: Optional[int] = None
     reshard_after_forward: bool = True
     model_init: str = "auto"
-    find_unused_parameters: bool = False
-    broadcast_buffers: bool = True
-    param_dtype: Optional[str] = "auto"
-    reduce_dtype: Optional[str] = "auto"
-    master_weights: bool = True
-    cast_module: bool = False
     grad_accum_dtype: Optional[str] = None
     quantized_weights: bool = False
     quantized_grads: bool = False
@@ -142,13 +158,9 @@ class ZeroStrategyConf:
     shard_size: Optional[int] = None
     grad_reduction: str = "auto"
     elementwise_optimizers: Optional[list[str]] = None
-    activation_checkpointing_policy: Optional[list[str]] = None
-    process_group_backend: Optional[str] = None
-    timeout: float = 1800.0
-    collective_timeout: Optional[float] = DEFAULT_COLLECTIVE_TIMEOUT
-    start_method: str = "popen"
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.stage not in STAGES:
             raise ConfigError(f"stage={self.stage!r} is invalid: expected 1, 2 or 3")
         if self.grad_sync is not None and self.grad_sync not in GRAD_SYNC_MODES:
@@ -173,9 +185,6 @@ class ZeroStrategyConf:
         if self.stage != 3 and any(stage3.values()):
             settings = ", ".join(f"{k}={getattr(self, k)!r}" for k, v in stage3.items() if v)
             raise ConfigError(f"{settings} apply to stage=3 only: got stage={self.stage}")
-        _check_common(self.process_group_backend, self.timeout, self.start_method, self.collective_timeout)
-        _check_precision_settings(self)
-        _check_module_classes(self)
         with as_config_error():
             optimizer_classes("elementwise_optimizers", self.elementwise_optimizers)
             parse_dtype("grad_accum_dtype", self.grad_accum_dtype)
@@ -188,7 +197,7 @@ class ZeroStrategyConf:
 
 
 @dataclass
-class RobustDDPStrategyConf:
+class RobustDDPStrategyConf(_DataParallelConf):
     """Schema of ``strategy=robust_ddp_scratch`` (:class:`lightning_zero.RobustDDPStrategy`). Names and parameters
     are checked here; the tolerance bound of the rule for n = devices x num_nodes x workers_per_rank in
     :func:`validate_config`."""
@@ -206,26 +215,14 @@ class RobustDDPStrategyConf:
     seed: int = 0
     sharded_aggregation: bool = False
     aggregation_replicas: int = 1
-    find_unused_parameters: bool = False
-    broadcast_buffers: bool = True
-    param_dtype: Optional[str] = "auto"
-    reduce_dtype: Optional[str] = "auto"
     master_weights: bool = False
-    cast_module: bool = False
-    activation_checkpointing_policy: Optional[list[str]] = None
-    process_group_backend: Optional[str] = None
-    timeout: float = 1800.0
-    collective_timeout: Optional[float] = DEFAULT_COLLECTIVE_TIMEOUT
-    start_method: str = "popen"
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         with as_config_error():
             check_workers(self.workers_per_rank, self.worker_momentum)
             check_sharding(self.sharded_aggregation, self.aggregation_replicas)
         self.aggregator_pipeline()
-        _check_common(self.process_group_backend, self.timeout, self.start_method, self.collective_timeout)
-        _check_precision_settings(self)
-        _check_module_classes(self)
 
     def aggregator_pipeline(self) -> RobustAggregator:
         """The aggregator these settings build (unknown names and parameters raise :class:`ConfigError`)."""
@@ -260,19 +257,14 @@ class RobustZeroStrategyConf(RobustDDPStrategyConf):
 
 
 @dataclass
-class _CheckedByItsStrategy:
+class _CheckedByItsStrategy(_LaunchConf):
     """The settings of a schema whose strategy's constructor checks its values itself (it builds nothing)."""
 
-    process_group_backend: Optional[str] = None
-    timeout: float = 1800.0
-    collective_timeout: Optional[float] = DEFAULT_COLLECTIVE_TIMEOUT
-    start_method: str = "popen"
-
     def __post_init__(self) -> None:
-        _check_common(self.process_group_backend, self.timeout, self.start_method, self.collective_timeout)
+        super().__post_init__()
         settings = {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
         with as_config_error():
-            pydoc.locate(self._target_)(**settings)  # type: ignore[attr-defined]
+            cast(Any, pydoc.locate(self._target_))(**settings)
 
 
 @dataclass

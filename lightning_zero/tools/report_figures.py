@@ -7,6 +7,7 @@ model-state memory per job and rank, and the heat map of one metric over two set
 from __future__ import annotations
 
 import math
+import re
 import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -58,6 +59,8 @@ LINE_WIDTH = 1.6
 DASH = 4.0  # one curve's turn in an alternating-dash line, in line widths
 MARKER_SIZE = {"train": 4.0, "val": 6.5}  # val markers are hollow and larger: they ring the train markers
 MARKER_STEP = 2.5  # coinciding markers shrink by this much per curve drawn over them, so each shows as a ring
+WIDE_JOBS = 12  # past this many jobs the step-time figure turns its labels upright
+FIGURE_MAX_WIDTH = 40.0  # inches: the step-time figure widens by 1.9 per job up to this
 
 
 def coincide(a: Series, b: Series, rel_tol: float = COINCIDE_REL_TOL) -> bool:
@@ -168,32 +171,91 @@ def _bar_label(job: JobResult, common: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
-def plot_step_time_memory(jobs: Sequence[JobResult], path: Path) -> None:
-    """Left: median step time per job and rank. Right: peak model-state MiB per job and rank, stacked by kind."""
-    plt = _pyplot()
-    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(13, 6), layout="constrained")
+def _natural(text: str) -> tuple[Any, ...]:
+    """A sort key that orders the numbers inside ``text`` by value: ``seed=2`` before ``seed=10``."""
+    return tuple(int(part) if k % 2 else part for k, part in enumerate(re.split(r"(\d+)", text)))
+
+
+def figure_order(jobs: Sequence[JobResult]) -> list[JobResult]:
+    """The jobs in the order the step-time figure draws them: by strategy, then by their other varying overrides, then
+    by job number. Two sweeps of the same settings draw the same order, however their command lines listed them."""
     common = common_overrides(jobs)
-    xs = range(len(jobs))
+
+    def key(job: JobResult) -> tuple[Any, ...]:
+        others = [o for o in varying_overrides(job, common) if not o.lstrip("+~").startswith("strategy=")]
+        return _natural(job.strategy or "~"), [_natural(o) for o in others], _natural(job.job)
+
+    return sorted(jobs, key=key)
+
+
+def _spread(job: JobResult, rank: int) -> dict[str, float] | None:
+    """Rank ``rank``'s step-time quantiles; a file without them (or a rank without measured steps) gives its median
+    alone as a flat box, or ``None``."""
+    quantiles = job.step_time_ms_per_rank[rank] if rank < len(job.step_time_ms_per_rank) else None
+    if quantiles:
+        return quantiles
+    median = job.median_step_time_ms_per_rank[rank]
+    return None if median is None else dict.fromkeys(("min", "q1", "median", "q3", "max"), median)
+
+
+def _mib_label(totals: Sequence[float]) -> str:
+    low, high = min(totals), max(totals)
+    return f"{high:.3g}" if f"{low:.3g}" == f"{high:.3g}" else f"{low:.3g}-{high:.3g}"
+
+
+def step_time_memory_figure(jobs: Sequence[JobResult]) -> Any:
+    """The figure of :func:`plot_step_time_memory` (the caller closes it).
+
+    Two panels over one x axis, a slot per job in :func:`figure_order`. Top: each rank's optimizer-step time over
+    its measured steps as a box (quartiles, the median across it, whiskers from min to max), so the noise of the
+    run shows beside any difference between jobs. Bottom: each rank's peak model-state MiB, stacked by kind. One
+    value per job and panel, above its slot (the slowest rank's median ms; the ranks' peak MiB, a range where they
+    differ), and the legends beside the axes, so no text lies over another or over a bar. The figure widens with
+    the number of jobs (labels turn upright past ``WIDE_JOBS``).
+    """
+    plt = _pyplot()
+    from matplotlib.patches import Patch
+
+    jobs = figure_order(jobs)
+    n = max(1, len(jobs))
+    wide = n > WIDE_JOBS
+    fig, (ax_t, ax_m) = plt.subplots(
+        2, 1, figsize=(min(FIGURE_MAX_WIDTH, max(10.0, 1.9 * n + 2.5)), 8.5), sharex=True, layout="constrained"
+    )
+    common = common_overrides(jobs)
+    most_ranks = max((max(len(j.median_step_time_ms_per_rank), len(j.peak_bytes_per_rank)) for j in jobs), default=1)
+    cmap = plt.get_cmap("viridis")  # ranks in viridis shades, not the tab10 colours of the memory breakdown
+    shade = [cmap(0.85 * r / max(1, most_ranks - 1)) for r in range(most_ranks)]
+    value_style = {"ha": "center", "va": "bottom", "fontsize": 8, "rotation": 90 if wide else 0}
     top_t = top_m = 0.0
-    # Ranks in viridis shades, so they are not mistaken for the tab10 colours of the memory breakdown.
-    most_ranks = max((len(j.median_step_time_ms_per_rank) for j in jobs), default=1)
-    cmap = plt.get_cmap("viridis")
-    for x, j in zip(xs, jobs):
-        n = len(j.median_step_time_ms_per_rank) or 1
-        w = 0.8 / n
-        for r, ms in enumerate(j.median_step_time_ms_per_rank):
-            if ms is None:
+    for x, j in enumerate(jobs):
+        ranks = len(j.median_step_time_ms_per_rank)
+        w = 0.8 / max(1, ranks)
+        for r in range(ranks):
+            spread = _spread(j, r)
+            if spread is None:
                 continue
-            pos = x - 0.4 + w * (r + 0.5)
-            ax_t.bar(pos, ms, w * 0.9, color=cmap(0.85 * r / max(1, most_ranks - 1)), label=f"rank {r}")
-            ax_t.annotate(f"{ms:.3g}", (pos, ms), ha="center", va="bottom", fontsize=8)
-            top_t = max(top_t, ms)
-    ax_t.set_title("Median optimizer-step time per rank (warm-up dropped)", fontsize=10)
+            stats = {"med": spread["median"], "q1": spread["q1"], "q3": spread["q3"], "whislo": spread["min"],
+                     "whishi": spread["max"], "fliers": []}  # fmt: skip
+            drawn = ax_t.bxp([stats], positions=[x - 0.4 + w * (r + 0.5)], widths=w * 0.7, patch_artist=True,
+                             medianprops={"color": "black"}, manage_ticks=False)  # fmt: skip
+            drawn["boxes"][0].set_facecolor(shade[r])
+        medians = [m for m in j.median_step_time_ms_per_rank if m is not None]
+        if medians:
+            highest = max(s["max"] for r in range(ranks) if (s := _spread(j, r)))
+            ax_t.annotate(f"{max(medians):.3g} ms", (x, highest), xytext=(0, 3), textcoords="offset points",
+                          **value_style)  # fmt: skip
+            top_t = max(top_t, highest)
+        else:
+            ax_t.text(x, 0, "no run_stats.json", **{**value_style, "va": "bottom"})
+    ax_t.set_title("Optimizer-step time per rank over its measured steps (warm-up dropped)\nbox: quartiles, line: "
+                   "median, whiskers: min to max; value: the slowest rank's median", fontsize=10)  # fmt: skip
     ax_t.set_ylabel("ms")
     colors = {"params": "C0", "grads": "C1", "optimizer": "C2", "strategy_buffers": "C7"}
-    for x, j in zip(xs, jobs):
-        n = len(j.peak_bytes_per_rank) or 1
-        w = 0.8 / n
+    drawn_kinds: set[str] = set()
+    for x, j in enumerate(jobs):
+        w = 0.8 / max(1, len(j.peak_bytes_per_rank))
+        totals = []
         for r, b in enumerate(j.peak_bytes_per_rank):
             if not b:
                 continue
@@ -201,32 +263,44 @@ def plot_step_time_memory(jobs: Sequence[JobResult], path: Path) -> None:
             for kind in BREAKDOWN:
                 height = b.get(kind, 0) / MIB
                 if height > 0:
-                    ax_m.bar(pos, height, w * 0.9, bottom=bottom, color=colors[kind], label=kind.replace("_", " "))
+                    ax_m.bar(pos, height, w * 0.9, bottom=bottom, color=colors[kind], edgecolor=shade[r], lw=1.2)
+                    drawn_kinds.add(kind)
                 bottom += height
-            ax_m.annotate(f"r{r}: {bottom:.3g}", (pos, bottom), ha="center", va="bottom", fontsize=8)
-            top_m = max(top_m, bottom)
-    ax_m.set_title("Peak model-state MiB per rank (after an optimizer step)", fontsize=10)
-    ax_m.set_ylabel("MiB")
-    labels = [_bar_label(j, common) for j in jobs]
-    for ax, top in ((ax_t, top_t), (ax_m, top_m)):
-        ax.set_xticks(list(xs), labels, fontsize=8)
-        ax.set_xlim(-0.6, len(jobs) - 0.4)
-        ax.set_ylim(0, top * 1.12 if top > 0 else 1)
-        ax.grid(axis="y", alpha=0.3)
-        for x, j in zip(xs, jobs):
-            if not any(v is not None for v in j.median_step_time_ms_per_rank):
-                ax.text(x, 0.02 * ax.get_ylim()[1], "no run_stats.json", ha="center", va="bottom", fontsize=8)
-        handles, names = ax.get_legend_handles_labels()
-        if handles:  # below the axes: never over a bar or its value
-            unique = dict(zip(names, handles))
-            ax.legend(
-                unique.values(), unique.keys(), fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14),
-                ncol=min(4, len(unique)), frameon=False,
-            )  # fmt: skip
+            totals.append(bottom)
+        if totals:
+            ax_m.annotate(f"{_mib_label(totals)} MiB", (x, max(totals)), xytext=(0, 3), textcoords="offset points",
+                          **value_style)  # fmt: skip
+            top_m = max(top_m, max(totals))
         else:
-            ax.text(0.5, 0.5, "no run_stats.json in any job", ha="center", va="center", transform=ax.transAxes)
+            ax_m.text(x, 0, "no memory measured", **value_style)
+    ax_m.set_title("Peak model-state MiB per rank (after an optimizer step)\nstacked by kind, ranks left to right",
+                   fontsize=10)  # fmt: skip
+    ax_m.set_ylabel("MiB")
+    ax_m.set_xticks(range(len(jobs)), [_bar_label(j, common) for j in jobs], fontsize=8,
+                    rotation=90 if wide else 0)  # fmt: skip
+    ax_m.set_xlim(-0.6, len(jobs) - 0.4)
+    headroom = 1.35 if wide else 1.15  # room for the value above the tallest slot
+    for ax, top in ((ax_t, top_t), (ax_m, top_m)):
+        ax.set_ylim(0, top * headroom if top > 0 else 1)
+        ax.grid(axis="y", alpha=0.3)
+    rank_handles = [Patch(facecolor=shade[r], edgecolor="black", label=f"rank {r}") for r in range(most_ranks)]
+    if any(j.median_step_time_ms_per_rank for j in jobs):
+        ax_t.legend(handles=rank_handles, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False)
+    kinds = [
+        Patch(facecolor=colors[k], edgecolor="black", label=k.replace("_", " ")) for k in BREAKDOWN if k in drawn_kinds
+    ]
+    if kinds:
+        ax_m.legend(handles=kinds, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False)
+    if not any(j.median_step_time_ms_per_rank for j in jobs):
+        ax_t.text(0.5, 0.5, "no run_stats.json in any job", ha="center", va="center", transform=ax_t.transAxes)
+    return fig
+
+
+def plot_step_time_memory(jobs: Sequence[JobResult], path: Path) -> None:
+    """Step-time spread and peak model-state MiB per job and rank (:func:`step_time_memory_figure`)."""
+    fig = step_time_memory_figure(jobs)
     fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _pyplot().close(fig)
 
 
 def plot_heatmap(

@@ -63,6 +63,8 @@ class JobResult:
     train_loss_key: str | None = None
     median_step_time_ms: float | None = None  # the slowest rank's median
     median_step_time_ms_per_rank: list[float | None] = field(default_factory=list)
+    # {"min", "q1", "median", "q3", "max"} over each rank's measured steps (None: not measured, or an older file)
+    step_time_ms_per_rank: list[dict[str, float] | None] = field(default_factory=list)
     peak_mib_per_rank: list[float | None] = field(default_factory=list)
     peak_bytes_per_rank: list[dict[str, int] | None] = field(default_factory=list)
     strategy_buffers_counted: bool | None = None
@@ -233,6 +235,7 @@ def parse_job(job_dir: Path, name: str | None = None) -> JobResult:
         job.world_size = stats.get("world_size")
         job.optimizer_steps = stats.get("optimizer_steps", job.optimizer_steps)
         job.median_step_time_ms_per_rank = [r.get("median_step_time_ms") for r in ranks]
+        job.step_time_ms_per_rank = [r.get("step_time_ms") for r in ranks]
         job.peak_mib_per_rank = [r.get("peak_model_state_mib") for r in ranks]
         job.peak_bytes_per_rank = [r.get("peak_model_state_bytes") for r in ranks]
         job.strategy_buffers_counted = stats.get("strategy_buffers_counted")

@@ -28,12 +28,17 @@ rank's figures are gathered and rank 0 writes ``<output_dir>/run_stats.json`` (s
       "peak_model_state_mib": 0.52,     # the largest of the ranks' peaks (null when memory is not measured)
       "ranks": [                        # one entry per global rank, in rank order
         {"rank": 0, "median_step_time_ms": 41.2, "measured_steps": 18,
+         "step_time_ms": {"min": 39.8, "q1": 40.6, "median": 41.2, "q3": 42.0, "max": 47.5},  # over its steps
          "peak_model_state_mib": 0.52, "peak_step": 3,
          "peak_model_state_bytes": {"params": ..., "grads": ..., "optimizer": ..., "strategy_buffers": ...,
                                     "total": ...}},
         ...
       ]
     }
+
+``step_time_ms`` is the spread of the rank's measured steps (quartiles by the inclusive method, so that
+``median`` equals ``median_step_time_ms``; null without measured steps): the figures of ``lightning-zero-report``
+draw it as a box, so that run-to-run noise shows beside a difference between strategies.
 
 Each step's time (this rank's; rank 0's is what loggers write) is logged as ``perf/step_time_ms``, so it lands in
 ``metrics.csv``. The end-of-training summary goes to ``run_stats.json`` only: a key first logged at the end of a fit
@@ -60,7 +65,16 @@ FILENAME = "run_stats.json"
 MIB = 2**20
 # Registered names of Lightning strategy classes that carry no ``strategy_name`` attribute.
 _LIGHTNING_NAMES = {"DDPStrategy": "ddp", "ModelParallelStrategy": "model_parallel"}
-_FIELDS = ("median_ms", "measured", "params", "grads", "optimizer", "strategy_buffers", "peak_step")
+_QUANTILES = ("min", "q1", "median", "q3", "max")
+_FIELDS = (
+    *(f"{q}_ms" for q in _QUANTILES),
+    "measured",
+    "params",
+    "grads",
+    "optimizer",
+    "strategy_buffers",
+    "peak_step",
+)
 
 
 def strategy_name(strategy: Any) -> str:
@@ -81,6 +95,18 @@ def _buffers_counted(strategy: Any) -> bool:
 
 def _finite(value: float) -> float | None:
     return None if math.isnan(value) else value
+
+
+def step_time_quantiles(seconds: list[float]) -> list[float]:
+    """Min, first quartile, median, third quartile and max of ``seconds``, in ms (NaN for no steps).
+
+    The inclusive method interpolates between the measured steps, so that the median is ``statistics.median``'s.
+    """
+    if not seconds:
+        return [float("nan")] * len(_QUANTILES)
+    ms = sorted(1e3 * s for s in seconds)
+    q1, median, q3 = statistics.quantiles(ms, n=4, method="inclusive") if len(ms) > 1 else ms * 3
+    return [ms[0], q1, median, q3, ms[-1]]
 
 
 class RunStats(pl.Callback):
@@ -158,8 +184,8 @@ class RunStats(pl.Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         strategy = trainer.strategy
         peak = self.peak or ModelStateBytes(0, 0, 0, 0)
-        median = statistics.median(self.step_times) * 1e3 if self.step_times else float("nan")
-        local = [median, len(self.step_times), peak.params, peak.grads, peak.optimizer, peak.strategy_buffers]
+        times = step_time_quantiles(self.step_times)
+        local = [*times, len(self.step_times), peak.params, peak.grads, peak.optimizer, peak.strategy_buffers]
         # float64 holds byte counts exactly up to 2**53; one small collective gathers every rank's row.
         row = torch.tensor([*local, self.peak_step], dtype=torch.float64, device=strategy.root_device)
         gathered = strategy.all_gather(row).reshape(-1, len(_FIELDS)).cpu().tolist()
@@ -183,6 +209,7 @@ class RunStats(pl.Callback):
                     "rank": rank,
                     "median_step_time_ms": _finite(row["median_ms"]),
                     "measured_steps": int(row["measured"]),
+                    "step_time_ms": {q: row[f"{q}_ms"] for q in _QUANTILES} if row["measured"] else None,
                     "peak_model_state_mib": counted.total / MIB if measured else None,
                     "peak_step": int(row["peak_step"]) if measured else None,
                     "peak_model_state_bytes": counted.as_dict() if measured else None,

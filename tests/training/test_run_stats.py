@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -16,6 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_zero import RunStats, ScratchDDPStrategy, ZeroStrategy
 from lightning_zero.training.memory import strategy_model_state_bytes
+from lightning_zero.training.run_stats import step_time_quantiles
 from tests.helpers.workers import run_workers
 
 MIB = 2**20
@@ -101,6 +103,14 @@ def test_single_device_fit_writes_exact_model_states_and_step_times(tmp_path: Pa
         rows = list(csv.DictReader(file))
     per_step = [float(r["perf/step_time_ms"]) for r in rows if r.get("perf/step_time_ms")]
     assert len(per_step) == 6 and all(t > 0 for t in per_step)  # every step, warm-up included
+    # The spread is that of the measured (logged after the warm-up) steps, its median the reported one.
+    measured = sorted(per_step[2:])
+    spread = rank["step_time_ms"]
+    assert spread["median"] == pytest.approx(rank["median_step_time_ms"], rel=1e-9)
+    assert (spread["min"], spread["max"]) == pytest.approx((measured[0], measured[-1]), rel=1e-5)  # logged as fp32
+    # Inclusive quartiles of 4 sorted points: at positions 0.75 and 2.25 (of 0..3), interpolated.
+    q1, q3 = (measured[0] * 0.25 + measured[1] * 0.75), (measured[2] * 0.75 + measured[3] * 0.25)
+    assert (spread["q1"], spread["q3"]) == pytest.approx((q1, q3), rel=1e-5)
 
 
 def test_accumulation_times_whole_optimizer_steps(tmp_path: Path) -> None:
@@ -124,6 +134,19 @@ def test_scratch_strategy_counts_itself(tmp_path: Path) -> None:
         "strategy_buffers": 0,
         "total": 16 * psi + 4 * tensors,
     }
+
+
+def test_step_time_quantiles_of_few_steps() -> None:
+    assert all(math.isnan(v) for v in step_time_quantiles([]))  # no measured step: null in run_stats.json
+    assert step_time_quantiles([0.004]) == [4.0] * 5  # one step: a flat box at its time
+    assert step_time_quantiles([0.003, 0.001]) == pytest.approx([1.0, 1.5, 2.0, 2.5, 3.0])  # sorted, interpolated
+
+
+def test_no_measured_step_has_no_spread(tmp_path: Path) -> None:
+    _, callback = _fit(tmp_path, max_steps=2)  # both steps are warm-up
+    assert callback.stats is not None
+    [rank] = callback.stats["ranks"]
+    assert rank["measured_steps"] == 0 and rank["median_step_time_ms"] is None and rank["step_time_ms"] is None
 
 
 def test_warmup_steps_is_validated() -> None:
@@ -182,6 +205,10 @@ def test_two_ranks_gather_per_rank_figures(tmp_path: Path) -> None:
         assert stats["strategy"]["name"] == name and stats["world_size"] == 2
         assert [r["rank"] for r in stats["ranks"]] == [0, 1]
         assert all(r["measured_steps"] == 2 and r["median_step_time_ms"] > 0 for r in stats["ranks"])
+        for rank in stats["ranks"]:  # each rank's own spread, ordered, around its own median
+            spread = rank["step_time_ms"]
+            assert 0 < spread["min"] <= spread["q1"] <= spread["median"] <= spread["q3"] <= spread["max"]
+            assert spread["median"] == pytest.approx(rank["median_step_time_ms"], rel=1e-9)
         for rank in stats["ranks"]:
             counted = rank["peak_model_state_bytes"]
             states = counted["params"] + counted["grads"] + counted["optimizer"]

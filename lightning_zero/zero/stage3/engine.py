@@ -330,7 +330,7 @@ class ShardedParams(UnitLifecycle, GradWindows):
 
     def _resegment(self, unit: Unit, keys: list[SegmentKey], params: list[nn.Parameter]) -> None:
         """Re-lay ``unit`` with one segment per key (one unit gathered at a time)."""
-        values = {}  # in the shards' dtype: master values are not rounded on the way
+        values: dict[int, Tensor] = {}  # in the shards' dtype: master values are not rounded on the way
         for s in unit.segments:
             values.update(zip(map(id, s.params), s.gather_values(s.shard, self.group, tag="params")))
         self._build_segments(unit, keys, params)

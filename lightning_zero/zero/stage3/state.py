@@ -35,7 +35,10 @@ from lightning_zero.zero.stage3.view import EngineView
 
 
 def _mesh(engine: EngineView) -> DeviceMesh:
-    return DeviceMesh.from_group(engine.group or dist.group.WORLD, engine.device.type)
+    group = engine.group if engine.group is not None else dist.group.WORLD
+    if group is None:  # dist.group.WORLD is None until init_process_group has run
+        raise RuntimeError("a sharded ZeRO-3 state dict needs an initialized process group; none is")
+    return DeviceMesh.from_group(group, engine.device.type)
 
 
 def _per_param(engine: EngineView, segment: Segment, shard_tensor: Tensor) -> list[Tensor]:
@@ -88,7 +91,7 @@ def _full(value: Tensor) -> Tensor:
 def model_state_dict(engine: EngineView, sharded: bool) -> dict[str, Any]:
     """``module.state_dict()`` with every parameter full (rank 0; other ranks get ``{}``) or a DTensor."""
     mesh = _mesh(engine) if sharded else None
-    values: dict[int, Tensor] = {}
+    values: dict[int, Tensor | None] = {}  # None on the ranks that do not keep a full copy
     for segment in engine.segments:
         for p, full in zip(segment.params, _per_param(engine, segment, segment.shard)):
             values[id(p)] = _to_dtensor(mesh, full) if mesh is not None else _on_rank_zero(engine, full)
