@@ -29,6 +29,7 @@ LAYERS = {
     "demo": 5,
     "integrations": 6,
     "tools": 6,
+    "netlab": 6,
 }
 ROOT_MAY_IMPORT = {"strategies", "fabric", "training"}
 MAX_LINES = 420  # the guide's "~400 lines"
