@@ -41,6 +41,11 @@ from torch import Tensor
 
 from lightning_zero.comm import collectives as comm
 
+try:  # run as a script, sys.path[0] is benchmarks/; imported from the repo root, it is a namespace package
+    from benchmarks.processes import launch_prefix
+except ImportError:
+    from processes import launch_prefix  # type: ignore[no-redef]
+
 MIB = 2**20
 # torch 2.13 renamed the tensor-in/tensor-out collectives; the old names warn on every call.
 _native_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -124,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
     if rank == 0:
         sizes = " ".join(f"{s:g}" for s in args.sizes_mb)
         print(
-            f"reproduce: torchrun --nproc_per_node {os.environ['LOCAL_WORLD_SIZE']} benchmarks/collectives.py"
+            f"reproduce: {launch_prefix(int(os.environ['LOCAL_WORLD_SIZE']))} benchmarks/collectives.py"
             f" --sizes-mb {sizes} --reps {args.reps} --warmup {args.warmup} --seed {args.seed}"
         )
         print(f"torch {torch.__version__}, gloo, {world} ranks x {torch.get_num_threads()} thread, fp32", flush=True)

@@ -62,10 +62,24 @@ from lightning_zero.demo import CharGPTModule, CharTextDataModule
 from lightning_zero.zero.settings import QUANT_BLOCK_SIZE
 
 try:  # run as a script, sys.path[0] is benchmarks/; imported from the repo root, it is a namespace package
-    from benchmarks.processes import run_ranks, torchelastic_env
+    from benchmarks.processes import (
+        launch_prefix,
+        launched_world,
+        reports,
+        run_ranks,
+        torchelastic_env,
+        trainer_layout,
+    )
     from benchmarks.step_time import QUIET_TRAINER, StepTimer, quiet_lightning
 except ImportError:
-    from processes import run_ranks, torchelastic_env  # type: ignore[no-redef]
+    from processes import (  # type: ignore[no-redef]
+        launch_prefix,
+        launched_world,
+        reports,
+        run_ranks,
+        torchelastic_env,
+        trainer_layout,
+    )
     from step_time import QUIET_TRAINER, StepTimer, quiet_lightning  # type: ignore[no-redef]
 
 POWERSGD = {"rank": 4, "start_iter": 10}
@@ -89,7 +103,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--timing-steps", type=int, default=30, help="optimizer steps per timing fit")
     parser.add_argument("--warmup", type=int, default=5, help="steps of every timing fit left out of the median")
     parser.add_argument("--last", type=int, default=20, help="final steps the training loss is averaged over")
-    parser.add_argument("--ranks", type=int, default=2, help="CPU processes")
+    parser.add_argument("--ranks", type=int, default=None, help="CPU processes (2; under torchrun its world)")
     parser.add_argument("--quant-block-size", type=int, default=QUANT_BLOCK_SIZE, help="elements per int8 block")
     parser.add_argument("--options", nargs="+", choices=list(OPTIONS), default=list(OPTIONS), help="fitted in order")
     parser.add_argument("--n-layer", type=int, default=3, help="the demo's blocks")
@@ -97,6 +111,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=32, help="sequences per rank per step")
     parser.add_argument("--seed", type=int, default=1234)
     args = parser.parse_args(argv)
+    args.ranks = launched_world(2) if args.ranks is None else args.ranks
     if args.steps < args.last or args.timing_steps <= args.warmup:
         parser.error("--steps must be >= --last and --timing-steps must exceed --warmup")
     if min(args.ranks, args.quant_block_size, args.timing_rounds, args.last) < 1:
@@ -181,9 +196,11 @@ def fit_once(name: str, args: argparse.Namespace, steps: int, evaluate: bool = T
         strategy = ZeroStrategy(stage=3, quant_block_size=args.quant_block_size, **settings)
     else:
         strategy = ScratchDDPStrategy(**settings)
+    devices, num_nodes = trainer_layout(args.ranks)
     trainer = L.Trainer(
         accelerator="cpu",
-        devices=args.ranks,
+        devices=devices,
+        num_nodes=num_nodes,
         strategy=strategy,
         max_steps=steps,
         gradient_clip_val=1.0,
@@ -293,19 +310,25 @@ def report(args: argparse.Namespace, gathered: list[dict[str, Any]]) -> bool:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    print(
-        f"reproduce: python benchmarks/comm_options.py --steps {args.steps} --timing-rounds {args.timing_rounds}"
-        f" --timing-steps {args.timing_steps} --warmup {args.warmup} --last {args.last} --ranks {args.ranks}"
-        f" --quant-block-size {args.quant_block_size} --n-layer {args.n_layer}"
-        f" --n-embd {args.n_embd} --batch-size {args.batch_size} --seed {args.seed} --options {' '.join(args.options)}"
-    )
-    print(f"torch {torch.__version__}, lightning {L.__version__}, {os.cpu_count()} CPUs, gloo, 1 thread per rank")
+    if reports():  # under torchrun the other ranks stay quiet
+        _print_header(args)
     start = time.perf_counter()
     gathered = measure(args)
     ok = report(args, gathered)
     print(f"wall time {time.perf_counter() - start:.0f} s")
     if not ok:
         sys.exit("a step's ledger bytes are more than 1% off the theory")
+
+
+def _print_header(args: argparse.Namespace) -> None:
+    print(
+        f"reproduce: {launch_prefix()} benchmarks/comm_options.py --steps {args.steps}"
+        f" --timing-rounds {args.timing_rounds} --timing-steps {args.timing_steps} --warmup {args.warmup}"
+        f" --last {args.last} --ranks {args.ranks}"
+        f" --quant-block-size {args.quant_block_size} --n-layer {args.n_layer}"
+        f" --n-embd {args.n_embd} --batch-size {args.batch_size} --seed {args.seed} --options {' '.join(args.options)}"
+    )
+    print(f"torch {torch.__version__}, lightning {L.__version__}, {os.cpu_count()} CPUs, gloo, 1 thread per rank")
 
 
 if __name__ == "__main__":

@@ -24,10 +24,10 @@ import torch.distributed as dist
 
 try:  # run as a script, sys.path[0] is benchmarks/; imported from the repo root, it is a namespace package
     from benchmarks.gpt import GPT, PRESETS
-    from benchmarks.processes import run_ranks
+    from benchmarks.processes import init_gloo, run_ranks
 except ImportError:
     from gpt import GPT, PRESETS  # type: ignore[no-redef]
-    from processes import run_ranks  # type: ignore[no-redef]
+    from processes import init_gloo, run_ranks  # type: ignore[no-redef]
 
 from lightning_zero.comm import collectives as comm
 from lightning_zero.comm.bucketing import assign_buckets
@@ -68,7 +68,7 @@ def _matmuls_ms(matrices: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, results) -> None:
     torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    init_gloo(rank, world, port)
     torch.manual_seed(rank)
     buckets = _buckets(args.preset, args.bucket_size_mb)
     compressor = PowerSGDCompressor(PowerSGDConfig.from_options({"rank": args.rank, "start_iter": 0}))

@@ -28,9 +28,16 @@ import torch.multiprocessing as mp
 from lightning_zero.comm import ring
 
 try:  # run as a script, sys.path[0] is benchmarks/; imported from the repo root, it is a namespace package
-    from benchmarks.processes import run_ranks
+    from benchmarks.processes import init_gloo, launch_prefix, launched, launched_world, reports, run_ranks
 except ImportError:
-    from processes import run_ranks  # type: ignore[no-redef]
+    from processes import (  # type: ignore[no-redef]
+        init_gloo,
+        launch_prefix,
+        launched,
+        launched_world,
+        reports,
+        run_ranks,
+    )
 
 MIB = 2**20
 
@@ -38,7 +45,7 @@ MIB = 2**20
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", type=float, nargs="+", default=[1, 4, 16, 64, 128], help="fp32 tensor, MiB")
-    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 3, 4], help="process counts")
+    parser.add_argument("--ranks", type=int, nargs="+", default=None, help="process counts (2 3 4; torchrun's world)")
     parser.add_argument("--trials", type=int, default=7, help="timed trials per algorithm and size")
     parser.add_argument("--warmup", type=int, default=1, help="untimed trials per algorithm and size")
     parser.add_argument(
@@ -46,8 +53,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--quick", action="store_true", help="smoke run: 0.25 and 1 MiB, 2 ranks, 3 trials")
     args = parser.parse_args(argv)
+    if args.ranks is None:  # under torchrun (or lightning-zero-netlab), the ranks it started
+        args.ranks = [launched_world(0)] if launched() else [2, 3, 4]
     if args.quick:
-        args.sizes, args.ranks, args.trials = [0.25, 1], [2], 3
+        args.sizes, args.ranks, args.trials = [0.25, 1], [launched_world(2)], 3
     args.chunks = [int(kib * 1024) for kib in args.chunk_kib] if args.chunk_kib else [ring.CHUNK_BYTES]
     if args.trials < 1 or args.warmup < 0 or min(args.sizes) <= 0 or min(args.ranks) < 2 or min(args.chunks) < 1:
         parser.error("--trials must be >= 1, --warmup >= 0, sizes and chunks > 0, ranks >= 2")
@@ -60,7 +69,7 @@ def algorithms(chunks: list[int]) -> list[str]:
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, results: mp.Queue) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    init_gloo(rank, world, port)
     names = algorithms(args.chunks)
     runs = {"native": dist.all_reduce}
     for name, chunk in zip(names[1:], args.chunks, strict=True):
@@ -119,11 +128,13 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     sizes = " ".join(f"{s:g}" for s in args.sizes)
     chunks = " ".join(f"{c / 1024:g}" for c in args.chunks)
-    print(
-        f"reproduce: python benchmarks/ring_allreduce.py --sizes {sizes} --ranks {' '.join(map(str, args.ranks))}"
-        f" --trials {args.trials} --warmup {args.warmup} --chunk-kib {chunks}"
-    )
-    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs", flush=True)
+    if reports():  # under torchrun the other ranks stay quiet
+        print(
+            f"reproduce: {launch_prefix()} benchmarks/ring_allreduce.py --sizes {sizes}"
+            f" --ranks {' '.join(map(str, args.ranks))} --trials {args.trials} --warmup {args.warmup}"
+            f" --chunk-kib {chunks}"
+        )
+        print(f"torch {torch.__version__}, {os.cpu_count()} CPUs", flush=True)
     results = {}
     for world in args.ranks:
         results[world] = measure(world, args)

@@ -43,9 +43,11 @@ from lightning_zero.training.memory import ModelStateBytes
 
 try:  # run as a script, sys.path[0] is benchmarks/; imported from the repo root, it is a namespace package
     from benchmarks.gpt import GPT, PRESETS, GPTLightningModule, random_token_dataset
+    from benchmarks.processes import launch_prefix
     from benchmarks.step_time import QUIET_TRAINER, StepTimer, add_protocol_arguments, quartiles, quiet_lightning
 except ImportError:
     from gpt import GPT, PRESETS, GPTLightningModule, random_token_dataset  # type: ignore[no-redef]
+    from processes import launch_prefix  # type: ignore[no-redef]
     from step_time import (  # type: ignore[no-redef]
         QUIET_TRAINER,
         StepTimer,
@@ -92,13 +94,15 @@ class MemoryProbe(L.Callback):
             self.aggregation_ms.append(engine.last_metrics["robust/aggregation_ms"])
 
 
-def fit_once(name: str, args: argparse.Namespace, dataset: Any, devices: int) -> tuple[list[float], MemoryProbe]:
+def fit_once(name: str, args: argparse.Namespace, dataset: Any, world: int) -> tuple[list[float], MemoryProbe]:
     L.seed_everything(args.seed, verbose=False)
     module = GPTLightningModule(PRESETS[args.preset])
     timer, probe = StepTimer(), MemoryProbe()
+    local = int(os.environ["LOCAL_WORLD_SIZE"])  # torchrun's ranks per node (lightning-zero-netlab: several nodes)
     trainer = L.Trainer(
         accelerator="cpu",
-        devices=devices,
+        devices=local,
+        num_nodes=world // local,
         strategy=make_strategy(name, args),
         max_steps=args.steps,
         callbacks=[timer, probe],
@@ -154,7 +158,8 @@ def report(args: argparse.Namespace, config: Any, gathered: list, probes: dict[s
     psi = GPT(config).num_parameters()
     n = args.workers_per_rank * world
     print(
-        f"reproduce: torchrun --nproc_per_node {world} benchmarks/robust.py --preset {args.preset} --steps {args.steps}"
+        f"reproduce: {launch_prefix(int(os.environ['LOCAL_WORLD_SIZE']))} benchmarks/robust.py --preset {args.preset}"
+        f" --steps {args.steps}"
         f" --warmup {args.warmup} --rounds {args.rounds} --batch-size {args.batch_size} --workers-per-rank"
         f" {args.workers_per_rank} --f {args.f} --candidates {' '.join(args.candidates)}"
     )

@@ -129,8 +129,10 @@ from lightning_zero.training.precision import LOW_PRECISION
 
 try:  # run as a script, sys.path[0] is benchmarks/; imported from the repo root, it is a namespace package
     from benchmarks.gpt import GPT, PRESETS, Block, GPTConfig, GPTLightningModule, random_token_dataset
+    from benchmarks.processes import launch_prefix
 except ImportError:
     from gpt import GPT, PRESETS, Block, GPTConfig, GPTLightningModule, random_token_dataset  # type: ignore[no-redef]
+    from processes import launch_prefix  # type: ignore[no-redef]
 
 CANDIDATES = (
     "ddp_scratch",
@@ -354,7 +356,7 @@ def quartiles(values: list[float]) -> tuple[float, float, float]:
 def reproduce_command(args: argparse.Namespace, nproc: int) -> str:
     script = os.path.relpath(os.path.abspath(__file__), os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     return (
-        f"torchrun --nproc_per_node {nproc} {script} --preset {args.preset} --steps {args.steps}"
+        f"{launch_prefix(nproc)} {script} --preset {args.preset} --steps {args.steps}"
         f" --warmup {args.warmup} --rounds {args.rounds} --batch-size {args.batch_size}"
         f" --bucket-size-mb {args.bucket_size_mb:g} --seed {args.seed} --precision {args.precision}"
         f" --candidates {' '.join(args.candidates)}"

@@ -50,10 +50,19 @@ def node_command(plan: LabPlan, k: int, command: Sequence[str], exits: Path, por
     ]  # fmt: skip
 
 
-def rank_environment() -> dict[str, str]:
-    """The environment of every node's torchrun: this one, with gloo bound to the lab interface (and torchrun's own
-    default of one OpenMP thread per rank, set here so that it does not print a banner per node)."""
-    return {"OMP_NUM_THREADS": "1", **os.environ, "GLOO_SOCKET_IFNAME": NODE_INTERFACE}
+LAB_VARIABLE = "LIGHTNING_ZERO_NETLAB"
+"""Set in every rank to the lab's options (``--nodes 2 ... --inter-node 1gbit``): a job can say where it ran."""
+
+
+def rank_environment(plan: LabPlan) -> dict[str, str]:
+    """The environment of every node's torchrun: this one, with gloo bound to the lab interface, :data:`LAB_VARIABLE`,
+    and torchrun's own default of one OpenMP thread per rank (set here so that it prints no banner per node)."""
+    return {
+        "OMP_NUM_THREADS": "1",
+        **os.environ,
+        "GLOO_SOCKET_IFNAME": NODE_INTERFACE,
+        LAB_VARIABLE: plan.command_line(),
+    }
 
 
 def rank_codes(exits: Path) -> list[tuple[int, int]]:
@@ -92,7 +101,7 @@ def run_command(plan: LabPlan, command: Sequence[str], port: int = DEFAULT_PORT)
             raise RuntimeError(f"the lab's rendezvous store did not start in {node_namespace(0)}")
         nodes = [
             subprocess.Popen(
-                node_command(plan, k, command, exits, port), env=rank_environment(), start_new_session=True
+                node_command(plan, k, command, exits, port), env=rank_environment(plan), start_new_session=True
             )
             for k in range(plan.nodes)
         ]

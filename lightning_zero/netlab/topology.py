@@ -96,6 +96,13 @@ class LabPlan:
                 commands.append(tbf_command(ns, "lo", self.intra_node, LOOPBACK_MTU))
         return commands
 
+    def command_line(self) -> str:
+        """The options of ``lightning-zero-netlab`` that make this lab (for a benchmark's reproduce line)."""
+        return (
+            f"--nodes {self.nodes} --ranks-per-node {self.ranks_per_node} --inter-node"
+            f" {format_rate(self.inter_node).lower()} --intra-node {format_rate(self.intra_node).lower()}"
+        )
+
     def hosts_file(self) -> str:
         """``/etc/hosts`` inside each node (``ip netns exec`` mounts ``/etc/netns/<ns>/hosts`` over it): the nodes by
         name, so that c10d's reverse lookups of its peers succeed instead of warning on every connection."""

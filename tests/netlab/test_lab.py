@@ -11,7 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -21,6 +21,7 @@ from lightning_zero.netlab import lab
 from lightning_zero.netlab.lab import LabError, NetLab, cleanup
 from lightning_zero.netlab.probe import COLLECTIVES, sizes
 from lightning_zero.netlab.topology import PREFIX, LabPlan
+from tests.helpers.netlab import lab_objects, needs_root, run_netlab
 
 JOB = Path(__file__).with_name("lab_job.py")
 RATE = 200e6  # bit/s: slow enough that 32 MiB takes over a second, whatever the CPUs do
@@ -114,27 +115,6 @@ def test_cleanup_removes_only_the_labs_names(as_root: None) -> None:
 
 
 # ------------------------------------------------------------------------------------------------------ real labs
-def _can_build_labs() -> str | None:
-    if sys.platform != "linux" or os.geteuid() != 0:
-        return "the lab needs root on Linux (network namespaces and tc)"
-    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
-    return f"the lab needs iproute2: not found: {', '.join(missing)}" if missing else None
-
-
-needs_root = pytest.mark.skipif(_can_build_labs() is not None, reason=_can_build_labs() or "")
-
-
-def _netlab(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "lightning_zero.netlab.cli", *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False)
-
-
-def _lab_objects() -> list[str]:
-    names = [line.split()[0] for line in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True,
-                                                        check=True).stdout.splitlines() if line.strip()]  # fmt: skip
-    return [n for n in names if n.startswith(f"{PREFIX}-")] + [p.name for p in Path("/etc/netns").glob(f"{PREFIX}-*")]
-
-
 def _loopback_job(mode: str, out: Path, port: int) -> None:
     """The same 2-node job with both nodes' torchruns on this machine's loopback."""
     base = [
@@ -152,28 +132,19 @@ def _loopback_job(mode: str, out: Path, port: int) -> None:
         assert node.returncode == 0, err[-3000:]
 
 
-@pytest.fixture
-def no_lab_left() -> Iterator[None]:
-    """Every real-lab test starts with no lab object and removes any it leaves (a lab killed by a timeout)."""
-    assert _lab_objects() == [], "a lab is already up: lightning-zero-netlab --cleanup"
-    try:
-        yield
-    finally:
-        if _lab_objects():
-            _netlab("--cleanup")
-
-
 @needs_root
 def test_a_fit_across_the_lab_equals_the_fit_on_loopback_and_bytes_take_bytes_over_rate(
     tmp_path: Path, no_lab_left: None
 ) -> None:
     lab_fit, loop_fit, timing = tmp_path / "lab.pt", tmp_path / "loop.pt", tmp_path / "allreduce.json"
-    done = _netlab("--nodes", "2", "--inter-node", "200mbit", "--", sys.executable, str(JOB), "fit", str(lab_fit))
+    done = run_netlab("--nodes", "2", "--inter-node", "200mbit", "--", sys.executable, str(JOB), "fit", str(lab_fit))
     assert done.returncode == 0, done.stderr[-3000:]
     assert "inter-node 200Mbit on lzlab0 (each node's egress): tbf burst 25000 bytes (MTU 1500)" in done.stdout
-    done = _netlab("--nodes", "2", "--inter-node", "200mbit", "--", sys.executable, str(JOB), "allreduce", str(timing))
+    done = run_netlab(
+        "--nodes", "2", "--inter-node", "200mbit", "--", sys.executable, str(JOB), "allreduce", str(timing)
+    )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert _lab_objects() == []
+    assert lab_objects() == []
     _loopback_job("fit", loop_fit, port=29631)
 
     across, local = torch.load(lab_fit), torch.load(loop_fit)
@@ -191,30 +162,32 @@ def test_a_fit_across_the_lab_equals_the_fit_on_loopback_and_bytes_take_bytes_ov
 def test_a_failing_command_returns_its_exit_code_and_leaves_nothing(tmp_path: Path, no_lab_left: None) -> None:
     script = tmp_path / "fail.py"
     script.write_text("import os, sys\nsys.exit(3 if os.environ['RANK'] == '1' else 0)\n")
-    done = _netlab("--nodes", "2", "--inter-node", "1gbit", "--", sys.executable, str(script), timeout=120)
+    done = run_netlab("--nodes", "2", "--inter-node", "1gbit", "--", sys.executable, str(script), timeout=120)
     assert done.returncode == 3, done.stderr[-3000:]  # the rank's own code, not torchrun's 1
-    assert _lab_objects() == []
+    assert lab_objects() == []
 
 
 @needs_root
 def test_refusals_leave_no_lab_object(no_lab_left: None) -> None:
-    done = _netlab("--inter-node", "1gbps", "--", "true")
+    done = run_netlab("--inter-node", "1gbps", "--", "true")
     assert done.returncode == 2 and "--inter-node='1gbps' is invalid: expected a number and a unit" in done.stderr
     subprocess.run(["ip", "netns", "add", "lzlab-n1"], check=True)
     try:
-        done = _netlab("--nodes", "2", "--", "true")
+        done = run_netlab("--nodes", "2", "--", "true")
         assert done.returncode == 2 and "lzlab-n1 already exists" in done.stderr
-        assert _lab_objects() == ["lzlab-n1"]  # the taken name stays; nothing else was made
+        assert lab_objects() == ["lzlab-n1"]  # the taken name stays; nothing else was made
     finally:
-        done = _netlab("--cleanup")
+        done = run_netlab("--cleanup")
     assert done.returncode == 0 and "removed lzlab-n1" in done.stdout
-    assert _lab_objects() == []
+    assert lab_objects() == []
 
 
 @needs_root
 def test_check_measures_each_link_and_fits_each_collective(tmp_path: Path, no_lab_left: None) -> None:
     out = tmp_path / "check.json"
-    done = _netlab("--nodes", "2", "--inter-node", "200mbit", "--check", "--check-max-size", "1MiB", "--json", str(out))
+    done = run_netlab(
+        "--nodes", "2", "--inter-node", "200mbit", "--check", "--check-max-size", "1MiB", "--json", str(out)
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(out.read_text())
     assert [(link["src"], link["dst"]) for link in results["links"]] == [(0, 1), (1, 0)]
@@ -225,4 +198,4 @@ def test_check_measures_each_link_and_fits_each_collective(tmp_path: Path, no_la
         assert [b for b, _ in model["points"]] == sizes(1 << 20), name
         assert model["alpha_s"] >= 0 and model["beta_s_per_byte"] > 0, name
         assert f"| {name} |" in done.stdout
-    assert _lab_objects() == []
+    assert lab_objects() == []
