@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from lightning_zero.netlab.lab import LabError
 from lightning_zero.netlab.launch import run_command
 from lightning_zero.netlab.probe import COLLECTIVES
 from lightning_zero.netlab.rates import format_rate
@@ -64,8 +65,11 @@ def _stream(plan: LabPlan, src: int, dst: int) -> dict[str, Any]:
     with subprocess.Popen([*in_dst, *probe, "stream-server", *args], stdout=subprocess.PIPE, text=True) as server:
         assert server.stdout is not None
         if server.stdout.readline().strip() != "ready":
-            raise RuntimeError(f"the stream server in {node_namespace(dst)} did not start")
-        subprocess.run([*in_src, *probe, "stream-client", *args], check=True, timeout=600)
+            raise LabError(f"the stream server in {node_namespace(dst)} did not start")
+        client = subprocess.run([*in_src, *probe, "stream-client", *args], check=False, timeout=600)
+        if client.returncode != 0:
+            server.kill()
+            raise LabError(f"the stream from node {src} to node {dst} failed with exit code {client.returncode}")
         measured = json.loads(server.stdout.readline())
     seconds = measured["seconds"]
     return {"src": src, "dst": dst, **measured, "rate_bps": 8 * measured["bytes"] / seconds if seconds else None}
@@ -79,7 +83,7 @@ def run_check(plan: LabPlan, largest: int, json_path: Path | None = None) -> dic
         probe = [sys.executable, "-m", "lightning_zero.netlab.probe", "collectives", str(out), str(largest)]
         code = run_command(plan, probe)
         if code != 0:
-            raise RuntimeError(f"the collectives probe failed with exit code {code}")
+            raise LabError(f"the collectives probe failed with exit code {code}")
         measured = json.loads(out.read_text())
     models = {}
     for name in COLLECTIVES:

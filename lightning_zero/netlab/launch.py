@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from lightning_zero.netlab.lab import LabError
 from lightning_zero.netlab.topology import NODE_INTERFACE, LabPlan, node_address, node_hostname, node_namespace
 
 GRACE_SECONDS = 15.0
@@ -98,7 +99,7 @@ def run_command(plan: LabPlan, command: Sequence[str], port: int = DEFAULT_PORT)
         )  # fmt: skip
         assert store.stdout is not None
         if store.stdout.readline().strip() != "ready":
-            raise RuntimeError(f"the lab's rendezvous store did not start in {node_namespace(0)}")
+            raise LabError(f"the lab's rendezvous store did not start in {node_namespace(0)}")
         nodes = [
             subprocess.Popen(
                 node_command(plan, k, command, exits, port), env=rank_environment(plan), start_new_session=True
