@@ -62,24 +62,10 @@ from lightning_zero.demo import CharGPTModule, CharTextDataModule
 from lightning_zero.zero.settings import QUANT_BLOCK_SIZE
 
 try:  # run as a script, sys.path[0] is benchmarks/; imported from the repo root, it is a namespace package
-    from benchmarks.processes import (
-        launch_prefix,
-        launched_world,
-        reports,
-        run_ranks,
-        torchelastic_env,
-        trainer_layout,
-    )
+    from benchmarks import processes
     from benchmarks.step_time import QUIET_TRAINER, StepTimer, quiet_lightning
 except ImportError:
-    from processes import (  # type: ignore[no-redef]
-        launch_prefix,
-        launched_world,
-        reports,
-        run_ranks,
-        torchelastic_env,
-        trainer_layout,
-    )
+    import processes  # type: ignore[no-redef]
     from step_time import QUIET_TRAINER, StepTimer, quiet_lightning  # type: ignore[no-redef]
 
 POWERSGD = {"rank": 4, "start_iter": 10}
@@ -111,7 +97,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=32, help="sequences per rank per step")
     parser.add_argument("--seed", type=int, default=1234)
     args = parser.parse_args(argv)
-    args.ranks = launched_world(2) if args.ranks is None else args.ranks
+    args.ranks = processes.launched_world(2) if args.ranks is None else args.ranks
     if args.steps < args.last or args.timing_steps <= args.warmup:
         parser.error("--steps must be >= --last and --timing-steps must exceed --warmup")
     if min(args.ranks, args.quant_block_size, args.timing_rounds, args.last) < 1:
@@ -196,7 +182,7 @@ def fit_once(name: str, args: argparse.Namespace, steps: int, evaluate: bool = T
         strategy = ZeroStrategy(stage=3, quant_block_size=args.quant_block_size, **settings)
     else:
         strategy = ScratchDDPStrategy(**settings)
-    devices, num_nodes = trainer_layout(args.ranks)
+    devices, num_nodes = processes.trainer_layout(args.ranks)
     trainer = L.Trainer(
         accelerator="cpu",
         devices=devices,
@@ -218,7 +204,7 @@ def fit_once(name: str, args: argparse.Namespace, steps: int, evaluate: bool = T
 
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, results: mp.Queue) -> None:
-    torchelastic_env(rank, world, port)
+    processes.torchelastic_env(rank, world, port)
     torch.set_num_threads(1)  # ranks share the cores: one thread each, or they fight for them
     quiet_lightning()
     runs = {name: fit_once(name, args, args.steps) for name in args.options}
@@ -237,7 +223,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, results:
 
 def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Every option's runs, one dict per rank (fits in fresh processes)."""
-    return run_ranks(_worker, args.ranks, args)
+    return processes.run_ranks(_worker, args.ranks, args)
 
 
 def report(args: argparse.Namespace, gathered: list[dict[str, Any]]) -> bool:
@@ -310,7 +296,7 @@ def report(args: argparse.Namespace, gathered: list[dict[str, Any]]) -> bool:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    if reports():  # under torchrun the other ranks stay quiet
+    if processes.reports():  # under torchrun the other ranks stay quiet
         _print_header(args)
     start = time.perf_counter()
     gathered = measure(args)
@@ -322,7 +308,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def _print_header(args: argparse.Namespace) -> None:
     print(
-        f"reproduce: {launch_prefix()} benchmarks/comm_options.py --steps {args.steps}"
+        f"reproduce: {processes.launch_prefix()} benchmarks/comm_options.py --steps {args.steps}"
         f" --timing-rounds {args.timing_rounds} --timing-steps {args.timing_steps} --warmup {args.warmup}"
         f" --last {args.last} --ranks {args.ranks}"
         f" --quant-block-size {args.quant_block_size} --n-layer {args.n_layer}"
