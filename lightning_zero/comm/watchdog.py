@@ -21,7 +21,9 @@ Lightning never runs either. Three things bound that:
    ``lightning_zero/zero/stage3/gather_order.py``), so a different sequence is an error naming both units at once.
 3. **SIGTERM while stuck** (:func:`start`): a thread wakes on the signal
    (``signal.set_wakeup_fd`` writes to a pipe even while the main thread is blocked) and, if the main thread is still
-   inside a wait after a grace period, prints the pending collective and exits the process with status 143.
+   inside a wait after a grace period, prints the pending collective and exits the process with status 143. Other
+   code that must act on a signal while the main thread may be blocked listens through :func:`on_signal` (a process
+   has one wakeup fd: this thread owns it).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -185,6 +187,15 @@ def _publish(what: str) -> None:
 
 # ---------------------------------------------------------------- the watcher thread
 _installed = False
+_LISTENERS: list[Callable[[int], None]] = []
+
+
+def on_signal(listener: Callable[[int], None]) -> Callable[[], None]:
+    """Call ``listener(signal_number)`` from the watcher thread for every signal that has a Python handler, as it
+    arrives, even while the main thread is blocked (the process has one wakeup fd: this thread owns it). Returns
+    the function that removes the listener. Start the thread with :func:`start`."""
+    _LISTENERS.append(listener)
+    return lambda: _LISTENERS.remove(listener) if listener in _LISTENERS else None
 
 
 def start() -> None:
@@ -217,6 +228,9 @@ def _watch(read_fd: int) -> None:
         if long_wait != published and dist.is_initialized():
             _publish(long_wait)
             published = long_wait
+        for number in received:
+            for listener in list(_LISTENERS):
+                listener(number)
         if signal.SIGTERM in received:
             _exit_if_stuck()
 

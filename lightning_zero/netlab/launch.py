@@ -70,9 +70,7 @@ def rank_codes(exits: Path) -> list[tuple[int, int]]:
     """``(when, code)`` of each rank that has ended, as its wrapper wrote them."""
     ended = []
     for path in exits.glob("rank*.rc"):
-        text = path.read_text().strip()
-        if text:  # a wrapper still writing its file: the next poll reads it
-            ended.append((path.stat().st_mtime_ns, int(text)))
+        ended.append((path.stat().st_mtime_ns, int(path.read_text())))  # written whole (rank_exit renames it)
     return ended
 
 

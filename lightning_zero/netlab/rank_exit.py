@@ -24,7 +24,10 @@ def main(argv: list[str]) -> int:
         signal.signal(sig, lambda number, _frame: child.send_signal(number))
     code = child.wait()
     rc = code if code >= 0 else 128 - code  # killed by signal N: the shell's 128 + N
-    (out / f"rank{os.environ.get('RANK', '0')}.rc").write_text(f"{rc}\n")
+    final = out / f"rank{os.environ.get('RANK', '0')}.rc"
+    partial = final.with_suffix(".tmp")
+    partial.write_text(f"{rc}\n")
+    partial.replace(final)  # whole or absent: the lab polls these files while ranks end
     return rc
 
 

@@ -42,6 +42,7 @@ from omegaconf import DictConfig, OmegaConf
 from lightning_zero.tools.config import validate_config
 from lightning_zero.tools.config_schema import ConfigError, register_configs
 from lightning_zero.tools.console import ConsoleLog
+from lightning_zero.tools.interrupts import InterruptLog
 from lightning_zero.tools.multirun import JobScope
 from lightning_zero.tools.overrides import OverrideError, check_overrides
 
@@ -229,18 +230,22 @@ def main(cfg: DictConfig) -> float | None:
     console = Path(hydra_cfg.runtime.output_dir) / f"{hydra_cfg.job.name}_console.log"
     with ConsoleLog(console), JobScope() as job:
         parts = build(cfg)
-        job.attach(parts["trainer"])
-        try:
-            out = fit_and_validate(**parts)
-        except (KeyboardInterrupt, SystemExit):
-            trainer = parts["trainer"]
-            log.error(
-                "rank %d: interrupted (Ctrl-C or a signal) at step %d, epoch %d; the run stops here",
-                trainer.global_rank,
-                trainer.global_step,
-                trainer.current_epoch,
+        trainer = parts["trainer"]
+        job.attach(trainer)
+
+        def interrupted() -> str:
+            return (
+                f"rank {trainer.global_rank}: interrupted (Ctrl-C or a signal) at step {trainer.global_step},"
+                f" epoch {trainer.current_epoch}; the run stops here"
             )
-            raise
+
+        # [Note: interrupt log] in lightning_zero/tools/interrupts.py: a rank blocked in a collective logs it too.
+        with InterruptLog(log, interrupted) as interrupts:
+            try:
+                out = fit_and_validate(**parts)
+            except (KeyboardInterrupt, SystemExit):
+                interrupts.log_once()
+                raise
     if out["trainer"].is_global_zero:
         _report(out, hydra_cfg.runtime.output_dir, hydra_cfg.job.name)
     value = out["metrics"].get(cfg.get("optimized_metric") or "")
