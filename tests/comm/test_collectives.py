@@ -26,14 +26,17 @@ def _collectives_worker(world_size: int) -> dict:
     dist.all_gather_single(native_ag, shard)
 
     ours = {}
-    for substitutes in (True, False):  # the threshold picks the gloo substitutes or the native ops
+    # The threshold picks the gloo substitutes or the native ops; the substitutes also with pieces of 3 elements
+    # (3, 3, 3, 1 of each chunk of 10: [Note: gloo pieces]).
+    for substitutes, piece_bytes in ((True, comm.GLOO_PIECE_BYTES), (True, 12), (False, comm.GLOO_PIECE_BYTES)):
         comm.GLOO_SUBSTITUTE_MIN_BYTES = 0 if substitutes else 1 << 40
+        comm.GLOO_PIECE_BYTES = piece_bytes
         ours_rs = torch.empty(k)
         handle = comm.reduce_scatter(ours_rs, data.clone(), async_op=True, tag="t")
         handle.wait()
         ours_ag = torch.full((world_size * k,), float("nan"))
         comm.all_gather(ours_ag, shard, tag="t")
-        ours[substitutes] = (ours_rs, ours_ag)
+        ours[substitutes, piece_bytes] = (ours_rs, ours_ag)
 
     summed = data.clone()
     comm.all_reduce(summed, "avg", tag="avg")
@@ -64,8 +67,8 @@ def test_gloo_substitutes_equal_native_ops_and_ledger_counts_inputs(world_size):
         assert r["stacked"].tolist() == [[q, q * 10.0] for q in range(world_size)]
         assert r["obj"] == {"from": 0}
         summary = r["summary"]
-        assert summary[("reduce_scatter", "t")] == (2, 2 * world_size * 10 * 4)
-        assert summary[("all_gather", "t")] == (2, 2 * world_size * 10 * 4)  # gathered (output) bytes
+        assert summary[("reduce_scatter", "t")] == (3, 3 * world_size * 10 * 4)
+        assert summary[("all_gather", "t")] == (3, 3 * world_size * 10 * 4)  # gathered (output) bytes
         assert summary[("all_reduce", "avg")] == (1, world_size * 10 * 4)
 
 
