@@ -50,6 +50,10 @@ class GPTConfig:
     bias: bool = True
     tie_weights: bool = False
     """Share the token embedding with the LM head (GPT-2 does); off by default so Ψ is the plain sum of layers."""
+    head_first: bool = False
+    """Register the LM head before the embeddings (same forward): reverse registration order then puts the head,
+    whose gradient backward produces first, in the last bucket ([Note: bucket rebuild] in
+    ``lightning_zero/dp/rebuild.py``)."""
 
 
 PRESETS: dict[str, GPTConfig] = {
@@ -111,12 +115,15 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.config = config
+        if config.head_first:
+            self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.wpe = nn.Embedding(config.block_size, config.n_embd)
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        if not config.head_first:
+            self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_weights:
             self.lm_head.weight = self.wte.weight
         self.apply(self._init_weights)

@@ -28,6 +28,9 @@ Candidates:
 - ``ddp_scratch_bf16comm``, ``ddp_scratch_powersgd``: ``ddp_scratch`` with a communication option (README
   "Communication options"): ``reduce_dtype="bf16"`` (gradients averaged in bf16, 2Ψ bytes per step), or PowerSGD at
   rank 4 from the first step (:data:`POWERSGD`); the traffic line compares the ledger with each option's theory.
+- ``ddp_scratch_first_layout``: ``ddp_scratch`` that keeps its first buckets (reverse registration order) instead of
+  rebuilding them by arrival after the first step ([Note: bucket rebuild] in ``lightning_zero/dp/rebuild.py``): with
+  ``--head-first`` (the LM head registered before the embeddings) it shows what the rebuild buys.
 - ``ddp``: Lightning's built-in ``DDPStrategy()`` (torch ``DistributedDataParallel``), defaults.
 - ``nocomm``: ``ScratchDDPStrategy`` with gradient sync switched off for every step: the same per-rank work (the
   reducer's hooks still copy gradients into its buckets) with no collective at all. ``x - nocomm`` is the cost of
@@ -111,7 +114,8 @@ import statistics
 import sys
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from itertools import pairwise
 from typing import Any
 
 import lightning as L
@@ -136,6 +140,7 @@ except ImportError:
 
 CANDIDATES = (
     "ddp_scratch",
+    "ddp_scratch_first_layout",
     "ddp_scratch_bf16comm",
     "ddp_scratch_powersgd",
     "ddp",
@@ -156,10 +161,12 @@ ZERO_OPTIONS = ("zero2_scratch_reduce_scatter", "zero3_scratch_quantized")  # RE
 POWERSGD = {"rank": 4, "start_iter": 0}  # compress from the first step: every timed step is a compressed one
 LEDGER_CANDIDATES = (
     "ddp_scratch",
+    "ddp_scratch_first_layout",
     *COMM_OPTIONS,
     *ZERO_CANDIDATES,
     *ZERO_OPTIONS,
 )  # communicate through lightning_zero.comm.collectives
+PHASES = ("forward", "backward", "optimizer")  # of a step, as StepTimer splits it
 PRECISIONS = ("32-true", "bf16-mixed")  # those the model-state table below covers
 # Parameter all-gathers per optimizer step, in units of Ψ elements: once after the step (stages 1 and 2), before each
 # unit's forward and again before its backward (stage 3). Each element is sent in the stages' default param_dtype.
@@ -180,6 +187,7 @@ HIDDEN_BUFFERS = {
 # (0: plain data parallelism) that shards each candidate's states ...
 STAGES = {
     "ddp_scratch": 0,
+    "ddp_scratch_first_layout": 0,
     "ddp_scratch_bf16comm": 0,
     "ddp_scratch_powersgd": 0,  # + PowerSGD's error feedback (4Ψ) and Q memories, in the strategy buffers
     "ddp": 0,
@@ -224,22 +232,44 @@ class NoCommStrategy(ScratchDDPStrategy):
             self.reducer.require_backward_grad_sync = False
 
 
+class FirstLayoutStrategy(ScratchDDPStrategy):
+    """``ddp_scratch`` without the rebuild of its buckets by arrival order: the peer that shows what it buys."""
+
+    def setup(self, trainer: L.Trainer) -> None:
+        super().setup(trainer)
+        if self.reducer is not None:
+            self.reducer.keep_layout()
+
+
 class StepTimer(L.Callback):
-    """Wall time of every optimizer step (``accumulate_grad_batches=1``: one batch = one step) on this rank."""
+    """Wall time of every optimizer step (``accumulate_grad_batches=1``: one batch = one step) on this rank, and of
+    its phases (:data:`PHASES`): forward (to ``on_before_backward``), backward (to ``on_after_backward``: it includes
+    the wait for the gradient reduction, which every data-parallel candidate finishes inside backward), and the rest
+    (clipping, the optimizer step, ZeRO's parameter all-gather of stages 1 and 2)."""
 
     def __init__(self) -> None:
         self.times: list[float] = []
-        self._start = 0.0
+        self.phases: list[tuple[float, ...]] = []
+        self._marks: list[float] = []
 
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        self._start = time.perf_counter()
+        self._marks = [time.perf_counter()]
+
+    def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
+        self._marks.append(time.perf_counter())
+
+    def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._marks.append(time.perf_counter())
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        self.times.append(time.perf_counter() - self._start)
+        marks = [*self._marks, time.perf_counter()]
+        self.times.append(marks[-1] - marks[0])
+        if len(marks) == len(PHASES) + 1:  # one backward in the step
+            self.phases.append(tuple(b - a for a, b in pairwise(marks)))
 
 
 @dataclass
@@ -284,12 +314,15 @@ class CommProbe(L.Callback):
 @dataclass
 class CandidateResult:
     times: list[float] = field(default_factory=list)  # seconds, warm-up dropped, all rounds
+    phases: list[tuple[float, ...]] = field(default_factory=list)  # per kept step: seconds per PHASES entry
     stats: list[FitStats] = field(default_factory=list)  # one per fit
 
 
 def make_strategy(name: str, bucket_size_mb: float, world_size: int) -> Strategy:
     if name == "ddp_scratch":
         return ScratchDDPStrategy(bucket_size_mb=bucket_size_mb)
+    if name == "ddp_scratch_first_layout":
+        return FirstLayoutStrategy(bucket_size_mb=bucket_size_mb)
     if name == "ddp_scratch_bf16comm":
         return ScratchDDPStrategy(bucket_size_mb=bucket_size_mb, reduce_dtype="bf16")
     if name == "ddp_scratch_powersgd":
@@ -321,10 +354,10 @@ def make_strategy(name: str, bucket_size_mb: float, world_size: int) -> Strategy
 
 def fit_once(
     name: str, args: argparse.Namespace, dataset: Dataset, devices: int, num_nodes: int
-) -> tuple[list[float], FitStats]:
-    """One fit of a freshly initialised model under candidate ``name``; returns (step times, FitStats)."""
+) -> tuple[StepTimer, FitStats]:
+    """One fit of a freshly initialised model under candidate ``name``; returns (its step timer, FitStats)."""
     L.seed_everything(args.seed, verbose=False)  # same init and same DistributedSampler order for every candidate
-    module = GPTLightningModule(PRESETS[args.preset], zero_redundancy=name == "ddp_zero_redundancy")
+    module = GPTLightningModule(model_config(args), zero_redundancy=name == "ddp_zero_redundancy")
     timer = StepTimer()
     probe = CommProbe(measure_memory=name in STAGES)
     trainer = L.Trainer(
@@ -343,7 +376,7 @@ def fit_once(
     # Free this fit's model, optimizer state and buckets before the next candidate allocates its own.
     del trainer, module
     gc.collect()
-    return timer.times, probe.stats
+    return timer, probe.stats
 
 
 def quartiles(values: list[float]) -> tuple[float, float, float]:
@@ -359,8 +392,12 @@ def reproduce_command(args: argparse.Namespace, nproc: int) -> str:
         f"{launch_prefix(nproc)} {script} --preset {args.preset} --steps {args.steps}"
         f" --warmup {args.warmup} --rounds {args.rounds} --batch-size {args.batch_size}"
         f" --bucket-size-mb {args.bucket_size_mb:g} --seed {args.seed} --precision {args.precision}"
-        f" --candidates {' '.join(args.candidates)}"
+        f"{' --head-first' if args.head_first else ''} --candidates {' '.join(args.candidates)}"
     )
+
+
+def model_config(args: argparse.Namespace) -> GPTConfig:
+    return replace(PRESETS[args.preset], head_first=args.head_first)
 
 
 QUIET_TRAINER = {
@@ -392,6 +429,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--bucket-size-mb", type=float, default=25.0, help="bucket cap (MiB) of ddp_scratch, nocomm and zero*_scratch"
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--head-first", action="store_true", help="register the LM head before the embeddings (same forward)"
+    )
     parser.add_argument(
         "--precision", choices=PRECISIONS, default="32-true", help="the Trainer's precision, for every candidate"
     )
@@ -431,14 +471,15 @@ def main(argv: list[str] | None = None) -> None:
     world = int(os.environ["WORLD_SIZE"])
     num_nodes = world // local_world
     is_rank0 = int(os.environ["RANK"]) == 0
-    config = PRESETS[args.preset]
+    config = model_config(args)
 
     if is_rank0:
         print(f"reproduce: {reproduce_command(args, local_world)}")
         print(
             f"torch {torch.__version__}, lightning {L.__version__}, {world} ranks x {torch.get_num_threads()} thread,"
             f" preset {args.preset} ({config.n_layer}L x {config.n_embd}, vocab {config.vocab_size},"
-            f" T={config.block_size}), {args.batch_size} seq/rank, {args.precision}, AdamW(fused=True)",
+            f" T={config.block_size}{', LM head registered first' if config.head_first else ''}),"
+            f" {args.batch_size} seq/rank, {args.precision}, AdamW(fused=True)",
             flush=True,
         )
 
@@ -451,29 +492,47 @@ def main(argv: list[str] | None = None) -> None:
     fits = 0
     for round_idx in range(args.rounds):
         for name in args.candidates:
-            times, stats = fit_once(name, args, dataset, local_world, num_nodes)
+            timer, stats = fit_once(name, args, dataset, local_world, num_nodes)
             fits += 1
             # The first fit creates the default process group; every later fit, whichever strategy, must reuse it.
             if world_group is None:
                 world_group = dist.group.WORLD
             elif dist.group.WORLD is not world_group:
                 raise RuntimeError(f"round {round_idx + 1}, {name}: the default process group was re-created")
-            kept = times[args.warmup :]
-            results[name].times.extend(kept)
+            results[name].times.extend(timer.times[args.warmup :])
+            results[name].phases.extend(timer.phases[args.warmup :])
             results[name].stats.append(stats)
 
     # Per-rank step times -> the slowest rank's time for each step.
     local_times = {name: r.times for name, r in results.items()}
     gathered: list[dict[str, list[float]]] = [{} for _ in range(world)]
     dist.all_gather_object(gathered, local_times)
+    gathered_phases: list[dict[str, list[tuple[float, ...]]]] = [{} for _ in range(world)]
+    dist.all_gather_object(gathered_phases, {name: r.phases for name, r in results.items()})
     memories = {name: [s.memory for s in r.stats] for name, r in results.items() if name in STAGES}
     gathered_memory: list[dict[str, list[ModelStateBytes | None]]] = [{} for _ in range(world)]
     dist.all_gather_object(gathered_memory, memories)
 
     if is_rank0:
         report(args, config, results, gathered, gathered_memory, fits)
+        report_phases(gathered_phases)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def report_phases(gathered: list[dict[str, list[tuple[float, ...]]]]) -> None:
+    """Median time per phase of a step (:class:`StepTimer`), each the slowest rank's for that step: what overlap can
+    hide. A synchronous step cannot start a gradient's reduction before backward produces it, nor the next forward
+    before the optimizer step, so at best a step takes forward + max(backward, reduction) + optimizer."""
+    print("\nphases, ms (median over steps of the slowest rank's time for each phase)")
+    width = max(20, *(len(name) for name in gathered[0]))
+    print(f"{'candidate':<{width}}" + "".join(f" {phase:>10}" for phase in PHASES))
+    for name in gathered[0]:
+        per_step = zip(*(g[name] for g in gathered), strict=True)
+        slowest = [[max(rank[i] for rank in ranks) for i in range(len(PHASES))] for ranks in per_step]
+        if slowest:
+            medians = [1e3 * statistics.median(column) for column in zip(*slowest)]
+            print(f"{name:<{width}}" + "".join(f" {m:>10.1f}" for m in medians))
 
 
 def report(
@@ -500,14 +559,15 @@ def report(
 
     print(f"\nstep time, ms (slowest rank per step; {args.warmup} warm-up steps dropped per fit; {fits} fits,")
     print("process group created by the first fit and reused by all)")
-    header = f"{'candidate':<20} {'median':>8} {'p25':>8} {'p75':>8} {'n':>4}"
+    width = max(20, *(len(name) for name, *_ in rows))
+    header = f"{'candidate':<{width}} {'median':>8} {'p25':>8} {'p75':>8} {'n':>4}"
     header += "".join(f" {'vs ' + peer:>{max(9, len(peer) + 3)}}" for peer in peers) + "  per-round medians"
     print(header)
     print("-" * len(header))
     for name, med, p25, p75, n, rounds in rows:
         ratios = "".join(f" {med / medians[peer]:>{max(9, len(peer) + 3)}.3f}" for peer in peers)
         per_round = " / ".join(f"{1e3 * r:.1f}" for r in rounds)
-        print(f"{name:<20} {1e3 * med:8.1f} {1e3 * p25:8.1f} {1e3 * p75:8.1f} {n:>4}{ratios}  {per_round}")
+        print(f"{name:<{width}} {1e3 * med:8.1f} {1e3 * p25:8.1f} {1e3 * p75:8.1f} {n:>4}{ratios}  {per_round}")
     if "nocomm" in medians:
         exposed = ", ".join(f"{n} {1e3 * (m - medians['nocomm']):+.1f}" for n, m in medians.items() if n != "nocomm")
         print(f"exposed communication (median - nocomm median), ms: {exposed}")

@@ -1,5 +1,10 @@
 """Pure bucketing math: which tensors share a flat communication bucket, and where each one sits inside it.
 
+Two rules: :func:`assign_buckets` packs tensors in a given order without ever exceeding the cap (the first layout of
+every reducer), and :func:`buckets_by_arrival` is torch DDP's rule for the one rebuild after the first iteration
+([Note: bucket rebuild] in ``lightning_zero/dp/reducer.py``), so that our rebuilt buckets hold the same tensors in
+the same order as torch's.
+
 Nothing here touches torch.distributed or autograd, so it is unit-tested without processes
 (``tests/comm/test_bucketing.py``).
 """
@@ -64,11 +69,71 @@ def assign_buckets(
         opened[b].append(i)
         bucket_bytes[b] += nbytes
 
-    layouts = []
-    for members, key in zip(opened, bucket_keys):
-        offsets, total = [], 0
-        for i in members:
-            offsets.append(total)
-            total += numels[i]
-        layouts.append(BucketLayout(key=key, indices=tuple(members), offsets=tuple(offsets), numel=total))
-    return layouts
+    return [_layout(key, members, numels) for members, key in zip(opened, bucket_keys)]
+
+
+FIRST_BUCKET_CAP_BYTES = 2**20
+"""Torch DDP's cap of the first rebuilt bucket under its default bucket size (``dist._DEFAULT_FIRST_BUCKET_BYTES``):
+the gradients ready first start their all-reduce after 1 MiB instead of after a whole bucket."""
+
+
+DEFAULT_BUCKET_SIZE_MB = 25
+"""``bucket_size_mb``'s default, torch DDP's ``bucket_cap_mb`` default."""
+
+
+def first_bucket_cap_bytes(bucket_size_mb: float) -> int:
+    """The cap of the first bucket rebuilt by arrival order, torch DDP's rule: 1 MiB under the default bucket size,
+    else the bucket size itself (torch caps every bucket alike once ``bucket_cap_mb`` is given)."""
+    if bucket_size_mb == DEFAULT_BUCKET_SIZE_MB:
+        return FIRST_BUCKET_CAP_BYTES
+    return int(bucket_size_mb * 2**20)
+
+
+def buckets_by_arrival(
+    order: Sequence[int],
+    numels: Sequence[int],
+    element_sizes: Sequence[int],
+    keys: Sequence[Hashable],
+    first_cap_bytes: int,
+    cap_bytes: int,
+) -> list[BucketLayout]:
+    """Torch DDP's rebuilt buckets (``compute_bucket_assignment_by_size`` with ``tensor_indices``): tensors taken in
+    ``order`` (the order their gradients arrived), each key's open bucket *closed once it reaches* its cap (so a bucket
+    may exceed the cap by its last tensor), the first bucket of each key capped at ``first_cap_bytes`` and every later
+    one at ``cap_bytes``. Buckets come in the order they were closed, then the ones still open in the order they were
+    opened (torch leaves that last order to a hash map; with one key, the common case, both are the opening order).
+    ``indices`` are the callers' indices (``order``'s values), in arrival order.
+    """
+    if sorted(order) != list(range(len(numels))):
+        raise ValueError(f"order must list every tensor index 0..{len(numels) - 1} once: got {list(order)}")
+    if not len(numels) == len(element_sizes) == len(keys):
+        raise ValueError(
+            f"numels, element_sizes and keys must have one entry per tensor: got {len(numels)}, "
+            f"{len(element_sizes)} and {len(keys)}"
+        )
+    for name, cap in (("first_cap_bytes", first_cap_bytes), ("cap_bytes", cap_bytes)):
+        if cap <= 0:
+            raise ValueError(f"{name}={cap} is invalid: expected a positive number of bytes")
+
+    closed: list[tuple[Hashable, list[int]]] = []
+    open_members: dict[Hashable, list[int]] = {}  # per key, its open bucket; insertion order = opening order
+    open_bytes: dict[Hashable, int] = {}
+    closed_count: dict[Hashable, int] = {}
+    for i in order:
+        key = keys[i]
+        open_members.setdefault(key, []).append(i)
+        open_bytes[key] = open_bytes.get(key, 0) + numels[i] * element_sizes[i]
+        if open_bytes[key] >= (cap_bytes if closed_count.get(key, 0) else first_cap_bytes):
+            closed.append((key, open_members.pop(key)))
+            del open_bytes[key]
+            closed_count[key] = closed_count.get(key, 0) + 1
+    closed += list(open_members.items())
+    return [_layout(key, members, numels) for key, members in closed]
+
+
+def _layout(key: Hashable, members: Sequence[int], numels: Sequence[int]) -> BucketLayout:
+    offsets, total = [], 0
+    for i in members:
+        offsets.append(total)
+        total += numels[i]
+    return BucketLayout(key=key, indices=tuple(members), offsets=tuple(offsets), numel=total)

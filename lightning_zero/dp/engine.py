@@ -45,6 +45,8 @@ class DataParallelEngine:
         module: the model, on its device.
         policy: the run's precision policy.
         bucket_cap_bytes: cap of one gradient bucket.
+        first_bucket_cap_bytes: cap of the first bucket when the buckets are rebuilt by arrival order ([Note: bucket
+            rebuild] in ``lightning_zero/dp/reducer.py``); ``None``: ``bucket_cap_bytes``.
         find_unused_parameters: see :class:`~lightning_zero.dp.reducer.GradientReducer`.
         compression: PowerSGD's settings, or ``None`` for the plain all-reduce.
     """
@@ -57,14 +59,17 @@ class DataParallelEngine:
         bucket_cap_bytes: int,
         find_unused_parameters: bool,
         compression: PowerSGDConfig | None = None,
+        first_bucket_cap_bytes: int | None = None,
     ) -> None:
         self.module, self.policy = module, policy
         self.bucket_cap_bytes, self.find_unused_parameters = bucket_cap_bytes, find_unused_parameters
+        self.first_bucket_cap_bytes = first_bucket_cap_bytes
         self.compressor = PowerSGDCompressor(compression) if compression is not None else None
         self._originals = self._cast_params()
         low = {p.dtype for p in module.parameters() if p.requires_grad and policy.master(p.dtype) is not None}
         self.master_dtype = policy.master_dtype if low else None
         self.reducer: GradientReducer | None = None
+        self._final_order: list[str] | None = None  # the last reducer's bucket order, once it is removed
         self._masters: dict[int, MasterWeights] = {}  # id(optimizer) -> its master copies
         self._master_of: dict[int, Tensor] = {}  # id(parameter) -> its master
         self.rebuild_reducer()
@@ -86,6 +91,7 @@ class DataParallelEngine:
         self.reducer = GradientReducer.for_module(
             self.module,
             bucket_cap_bytes=self.bucket_cap_bytes,
+            first_bucket_cap_bytes=self.first_bucket_cap_bytes,
             find_unused_parameters=self.find_unused_parameters,
             grad_dtype=self.master_dtype,  # masters: gradients accumulate in their dtype
             reduce_dtype=self.policy.reduce_dtype,
@@ -179,20 +185,33 @@ class DataParallelEngine:
         return buffers + (self.compressor.buffers if self.compressor is not None else [])
 
     def compressor_state(self) -> dict[str, Any]:
-        """``{CHECKPOINT_KEY: compressor state}`` with compression, else ``{}``. A collective with compression."""
-        return {CHECKPOINT_KEY: self.compressor.state_dict()} if self.compressor is not None else {}
+        """``{CHECKPOINT_KEY: compressor state}`` with compression, else ``{}``. A collective with compression. The
+        state carries the buckets' order once it is final (``"bucket_order"``): the memories are per bucket."""
+        if self.compressor is None:
+            return {}
+        order = self.reducer.rebuilt_order if self.reducer is not None else self._final_order
+        return {CHECKPOINT_KEY: {**self.compressor.state_dict(), "bucket_order": order}}
 
     def load_compressor_state(self, checkpoint: Mapping[str, Any]) -> None:
-        """The compressor's state from a checkpoint that has it; a checkpoint without it leaves a fresh compressor,
-        a run without compression ignores it."""
+        """The compressor's state from a checkpoint that has it, with the bucket layout its memories belong to (a
+        checkpoint from before the buckets were rebuilt by arrival keeps the first layout); a checkpoint without it
+        leaves a fresh compressor, a run without compression ignores it."""
         state = checkpoint.get(CHECKPOINT_KEY)
-        if state is not None and self.compressor is not None:
-            self.compressor.load_state_dict(state)
+        if state is None or self.compressor is None:
+            return
+        order = state.get("bucket_order")
+        if self.reducer is not None:
+            if order is not None:
+                self.reducer.rebucket(order)
+            elif state["buckets"]:
+                self.reducer.keep_layout()
+        self.compressor.load_state_dict(state)
 
     def remove(self) -> None:
         """The end of a run: hooks removed; a cast module gets the master values back in their dtype. The masters
         stay, as ZeRO's shards do: a checkpoint saved after the run carries them."""
         if self.reducer is not None:
+            self._final_order = self.reducer.rebuilt_order  # what a checkpoint saved after the run needs
             self.reducer.remove()
             self.reducer = None
         for masters in self._masters.values():

@@ -27,8 +27,9 @@ averaged over the process group. Wrap micro-batches that must not communicate in
 A bucket is *ready* when all its parameters' hooks have fired in the current synchronised backward. Buckets are
 launched strictly in index order (a ready bucket waits for every earlier bucket to be launched), so every rank issues
 the same sequence of all-reduces even if autograd finishes parameters in a different order on different ranks.
-Buckets are filled in reverse registration order, which is roughly the order backward produces gradients, so the
-first buckets' all-reduces run while backward is still computing the rest.
+Buckets are first filled in reverse registration order, which is roughly the order backward produces gradients, so
+the first buckets' all-reduces run while backward is still computing the rest. [Note: bucket rebuild] replaces that
+guess by the order seen (in ``lightning_zero/dp/rebuild.py``).
 
 States of one backward pass (``require_backward_grad_sync`` decides which one a pass runs in):
 - ACCUMULATING (inside ``no_sync()``): hooks only keep ``p.grad`` bound to the view. No collective at all.
@@ -58,10 +59,11 @@ from lightning_zero.comm.bucketing import assign_buckets
 from lightning_zero.comm.powersgd import PowerSGDCompressor
 from lightning_zero.dp.buckets import GradBucket, dense_grad
 from lightning_zero.dp.buffer_pool import BufferPool
+from lightning_zero.dp.rebuild import ArrivalRebuild
 from lightning_zero.dp.unused import unused_error
 
 
-class GradientReducer:
+class GradientReducer(ArrivalRebuild):
     """Averages gradients of ``params`` across ``group`` in buckets, overlapped with backward.
 
     Use :meth:`for_module` for data parallelism; ZeRO builds its own buckets over flat parameter groups.
@@ -93,6 +95,8 @@ class GradientReducer:
         ignored: ``ignored(p)`` says that ``p``'s gradient counts as not computed: its optimizer steps a stand-in
             (ZeRO's shard, a master) that ``LightningModule.toggle_optimizer`` turned off ([Note: toggled-off
             optimizers] in ``lightning_zero/optim/sharding.py``).
+        rebuild_caps: ``(first_cap_bytes, cap_bytes)`` of the one rebuild by arrival order ([Note: bucket rebuild]);
+            ``None``: the buckets stay as given.
     """
 
     def __init__(
@@ -110,6 +114,7 @@ class GradientReducer:
         compressor: PowerSGDCompressor | None = None,
         reduce_bucket: Callable[[GradBucket], comm.Handle] | None = None,
         ignored: Callable[[Tensor], bool] | None = None,
+        rebuild_caps: tuple[int, int] | None = None,
     ) -> None:
         if compressor is not None and transient:
             raise ValueError(
@@ -131,16 +136,7 @@ class GradientReducer:
         self._ignored = ignored
         self.require_backward_grad_sync = True
 
-        self._bucket_of = [0] * len(self._params)
-        self._slot_of = [0] * len(self._params)
-        for b, bucket in enumerate(self._buckets):
-            for slot, i in enumerate(bucket.indices):
-                self._bucket_of[i], self._slot_of[i] = b, slot
-        # (offset, shape) of each bucket's members in buffer order: what the compressor views as its tensors.
-        self._members = [
-            sorted((offset, tuple(self._params[i].shape)) for i, offset in zip(b.indices, b.offsets))
-            for b in self._buckets
-        ]
+        self._index_buckets()
         # Accumulation buckets ([Note: tensor roles]): the gradient is cast into the bucket, p.grad dropped.
         self._cast = [p.dtype != self._buckets[b].dtype for p, b in zip(self._params, self._bucket_of)]
         self._in_buffer = [False] * len(self._params)  # its gradient of this window is in its bucket's buffer
@@ -152,20 +148,44 @@ class GradientReducer:
             p.register_post_accumulate_grad_hook(partial(self._on_grad_ready, i)) for i, p in enumerate(self._params)
         ]
         self._used = [False] * len(self._params)  # got a gradient in this accumulation window
+        self.unused_everywhere: list[int] = []  # of the last synchronised pass's window, by index
+        self._rebuild_caps = rebuild_caps
+        # [Note: bucket rebuild]: the hooks' order in the first synchronised pass, while a rebuild is to come.
+        rebuilds = rebuild_caps is not None and not transient and reduce_bucket is None and not find_unused_parameters
+        self._arrival: list[int] | None = [] if rebuilds else None
+        self._reset_pass()
+
+    def _index_buckets(self) -> None:
+        """Where each parameter sits (bucket, slot), the compressor's view of each bucket, the watchdog's labels."""
+        self._bucket_of = [0] * len(self._params)
+        self._slot_of = [0] * len(self._params)
+        for b, bucket in enumerate(self._buckets):
+            for slot, i in enumerate(bucket.indices):
+                self._bucket_of[i], self._slot_of[i] = b, slot
+        # (offset, shape) of each bucket's members in buffer order: what the compressor views as its tensors.
+        self._members = [
+            sorted((offset, tuple(self._params[i].shape)) for i, offset in zip(b.indices, b.offsets))
+            for b in self._buckets
+        ]
         self._labels = {  # what a bucket's wait is, for the watchdog's messages
             id(b): f"gradient bucket {i} of {len(b.indices)} parameters ({self._names[b.indices[0]]}, ...)"
             for i, b in enumerate(self._buckets)
         }
-        self.unused_everywhere: list[int] = []  # of the last synchronised pass's window, by index
-        self._reset_pass()
 
     @classmethod
     def for_module(
-        cls, module: nn.Module, *, bucket_cap_bytes: int, grad_dtype: torch.dtype | None = None, **kwargs: Any
+        cls,
+        module: nn.Module,
+        *,
+        bucket_cap_bytes: int,
+        first_bucket_cap_bytes: int | None = None,
+        grad_dtype: torch.dtype | None = None,
+        **kwargs: Any,
     ) -> GradientReducer:
         """Data parallelism: persistent buckets of at most ``bucket_cap_bytes`` over ``module``'s trainable
         parameters in reverse registration order (roughly the order backward produces their gradients), holding the
-        gradients in ``grad_dtype`` (default: each parameter's dtype)."""
+        gradients in ``grad_dtype`` (default: each parameter's dtype), rebuilt once by arrival order with a first
+        bucket of ``first_bucket_cap_bytes`` (default: ``bucket_cap_bytes``) ([Note: bucket rebuild])."""
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad][::-1]
         params = [p for _, p in named]
         dtypes = [grad_dtype or p.dtype for p in params]
@@ -180,7 +200,8 @@ class GradientReducer:
             dtype, device = dtypes[layout.indices[0]], params[layout.indices[0]].device  # the layout's key
             buffer = torch.zeros(layout.numel, dtype=dtype, device=device)
             buckets.append(GradBucket(layout.indices, layout.offsets, layout.numel, dtype, device, buffer))
-        return cls(params, [name for name, _ in named], buckets, **kwargs)
+        caps = (first_bucket_cap_bytes or bucket_cap_bytes, bucket_cap_bytes)
+        return cls(params, [name for name, _ in named], buckets, rebuild_caps=caps, **kwargs)
 
     # ------------------------------------------------------------------ public
     @property
@@ -302,6 +323,8 @@ class GradientReducer:
                 " activation checkpointing is not supported by the gradient reducer (use use_reentrant=False)"
             )
         self._ready[i] = True
+        if self._arrival is not None:
+            self._arrival.append(i)
         self._pending[self._bucket_of[i]] -= 1
         self._launch_ready_buckets()
 
@@ -377,6 +400,8 @@ class GradientReducer:
                 comm.all_reduce(anywhere, "max", group=self.group, tag="unused_map")
                 self.unused_everywhere = [i for i, flag in enumerate(anywhere.tolist()) if not flag]
             self._drain(0)
+            if self._arrival is not None:
+                self._rebuild_by_arrival()
             if self.find_unused_parameters and not self.transient:
                 for i, p in enumerate(self._params):
                     if self._cast[i]:
@@ -386,4 +411,6 @@ class GradientReducer:
         finally:
             if not self.transient:
                 self._used = [False] * len(self._params)
+            if self._arrival is not None:  # a pass that raised: the next one records afresh
+                self._arrival = []
             self._reset_pass()

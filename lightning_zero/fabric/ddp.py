@@ -24,6 +24,7 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_zero.comm.bucketing import DEFAULT_BUCKET_SIZE_MB, first_bucket_cap_bytes
 from lightning_zero.comm.powersgd import CHECKPOINT_KEY
 from lightning_zero.comm.powersgd_config import compression_config
 from lightning_zero.dp.engine import DataParallelEngine
@@ -47,7 +48,7 @@ class ScratchDDPStrategy(ScratchFabricStrategy):
 
     def __init__(
         self,
-        bucket_size_mb: float = 25,
+        bucket_size_mb: float = DEFAULT_BUCKET_SIZE_MB,
         grad_compression: str | None = None,
         powersgd: Mapping[str, Any] | None = None,
         **kwargs: Any,
@@ -67,6 +68,7 @@ class ScratchDDPStrategy(ScratchFabricStrategy):
             module,
             self.precision_policy,
             bucket_cap_bytes=int(self.bucket_size_mb * 2**20),
+            first_bucket_cap_bytes=first_bucket_cap_bytes(self.bucket_size_mb),
             find_unused_parameters=self.find_unused_parameters,
             compression=self.compression,
         )

@@ -35,6 +35,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_zero.comm.bucketing import DEFAULT_BUCKET_SIZE_MB, first_bucket_cap_bytes
 from lightning_zero.comm.powersgd_config import compression_config
 from lightning_zero.dp.engine import DataParallelEngine
 from lightning_zero.dp.reducer import GradientReducer
@@ -61,7 +62,7 @@ class ScratchDDPStrategy(ScratchParallelStrategy):
 
     def __init__(
         self,
-        bucket_size_mb: float = 25,
+        bucket_size_mb: float = DEFAULT_BUCKET_SIZE_MB,
         grad_compression: str | None = None,
         powersgd: Mapping[str, Any] | None = None,
         **kwargs: Any,
@@ -102,6 +103,7 @@ class ScratchDDPStrategy(ScratchParallelStrategy):
                 self.model,
                 self.precision_policy,
                 bucket_cap_bytes=int(self.bucket_size_mb * 2**20),
+                first_bucket_cap_bytes=first_bucket_cap_bytes(self.bucket_size_mb),
                 find_unused_parameters=self.find_unused_parameters,
                 compression=self.compression,
             )

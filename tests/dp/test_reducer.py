@@ -59,10 +59,10 @@ def _reducer_worker() -> dict:
         p.grad = None
     comm.LEDGER.reset()
     seen_at_last_grad.clear()
+    out["n_buckets"] = len(reducer.buffers)  # this pass's; the reducer rebuilds its buckets once it has drained
     net(_data(rank), use_unused=True).square().sum().backward()
     out["launched_before_backward_ended"] = seen_at_last_grad[0]
     out["calls_after_backward"] = comm.LEDGER.calls(tag="grads")
-    out["n_buckets"] = len(reducer.buffers)
     out["grads"] = _grads(net)
     trainable = [p for p in net.parameters() if p.requires_grad]
     out["grad_bytes"] = model_state_bytes(trainable, (), reducer.buffers)

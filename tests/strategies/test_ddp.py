@@ -20,6 +20,7 @@ from tests.helpers.parity import (
     loss_fn,
     make_trainer,
     max_abs_diff,
+    quiet_trainer,
     reference_params,
     train_loader,
 )
@@ -65,9 +66,16 @@ class _MetricsModule(ParityModule):
 
 
 class _LedgerPerBatch(LedgerPerBatch):
-    def on_train_end(self, trainer, pl_module):
-        reducer = trainer.strategy.reducer
-        self.bucket_bytes = [b.numel() * b.element_size() for b in reducer.buffers]
+    """Also the bucket sizes each batch's backward launches (the layout is rebuilt once, after the first
+    synchronised pass: [Note: bucket rebuild] in ``lightning_zero/dp/reducer.py``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bucket_bytes: list[list[int]] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+        self.bucket_bytes.append([b.numel() * b.element_size() for b in trainer.strategy.reducer.buffers])
 
 
 def _val_loader(world_size: int):
@@ -93,7 +101,8 @@ def _fit_ledger(world_size: int) -> dict:
     trainer = make_trainer(config, strategy, callbacks=[recorder])
     trainer.fit(module, train_loader(config))
     psi = sum(p.numel() for p in module.parameters() if p.requires_grad)
-    return {"batches": recorder.batches, "bucket_bytes": recorder.bucket_bytes, "psi": psi}
+    n_params = sum(p.requires_grad for p in module.parameters())
+    return {"batches": recorder.batches, "bucket_bytes": recorder.bucket_bytes, "psi": psi, "n_params": n_params}
 
 
 def _all_fits(world_size: int) -> dict:
@@ -138,12 +147,13 @@ def test_ledger_one_pass_per_optimizer_step_and_silence_between(fits):
 
 
 def _assert_ledger(ledger: dict) -> None:
-    psi, bucket_bytes = ledger["psi"], ledger["bucket_bytes"]
-    assert len(bucket_bytes) > 1
-    assert sum(bucket_bytes) == 4 * psi  # fp32 gradients, no padding, nothing else in the buckets
+    psi = ledger["psi"]
     batches = ledger["batches"]
     assert len(batches) == ParityConfig().batches_per_rank
-    for batch_idx, records in enumerate(batches):
+    synced = 0
+    for batch_idx, (records, bucket_bytes) in enumerate(zip(batches, ledger["bucket_bytes"])):
+        assert len(bucket_bytes) > 1
+        assert sum(bucket_bytes) == 4 * psi  # fp32 gradients, no padding, nothing else in the buckets
         boundary = (batch_idx + 1) % LEDGER_G == 0 or batch_idx + 1 == len(batches)
         if not boundary:
             assert records == [], f"micro-batch {batch_idx} communicated: {records}"
@@ -151,6 +161,10 @@ def _assert_ledger(ledger: dict) -> None:
         grads = [(op, nbytes) for op, tag, nbytes in records if tag == "grads"]
         assert grads == [("all_reduce", b) for b in bucket_bytes]  # each bucket once, in launch order
         assert sum(nbytes for _, nbytes in grads) == 4 * psi
+        # the first synchronised pass broadcasts rank 0's arrival order (the rebuild), and no later one
+        order = [("broadcast", "bucket_order", 8 * ledger["n_params"])] if synced == 0 else []
+        assert [r for r in records if r[1] != "grads"] == order
+        synced += 1
 
 
 @pytest.mark.timeout(600)
@@ -171,6 +185,54 @@ def test_sync_dist_torchmetrics_and_validation_give_global_values(fits):
     assert metrics["val_loss_sync"] == pytest.approx(expected, abs=1e-6)
     for rank_result in per_rank[1:]:
         assert rank_result["metrics"]["metrics"] == metrics
+
+
+class _Buckets(Callback):
+    """The gradient buckets at the end of fit by parameter name: ``ddp_scratch``'s, or torch DDP's rebuilt ones
+    under Lightning's ``ddp``."""
+
+    def on_train_end(self, trainer, pl_module):
+        strategy = trainer.strategy
+        if isinstance(strategy, lightning_zero.ScratchDDPStrategy):
+            self.buckets = strategy.reducer.bucket_param_names
+            return
+        names = [n for n, p in pl_module.named_parameters() if p.requires_grad]
+        rebuilt = strategy.model._get_ddp_logging_data()["rebuilt_per_bucket_param_indices"]
+        self.buckets = [[names[int(i)] for i in bucket.split()] for bucket in rebuilt.split(",")]
+
+
+def _transformer_fit(strategy) -> dict:
+    """Lightning's demo ``LightningTransformer`` (a 1000-token vocabulary, so 6.8 MB of gradients: several buckets
+    with torch's 1 MiB first one), 3 steps on random tokens."""
+    from lightning.pytorch import seed_everything
+    from lightning.pytorch.demos import LightningTransformer
+
+    class _OnRandomTokens(LightningTransformer):
+        def prepare_data(self) -> None:  # no WikiText2 download
+            pass
+
+    seed_everything(0, verbose=False)
+    module = _OnRandomTokens(vocab_size=1000)
+    tokens = torch.randint(0, 1000, (12, 2, 16), generator=torch.Generator().manual_seed(0))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens[:, 0], tokens[:, 1]), batch_size=2)
+    buckets = _Buckets()
+    quiet_trainer(strategy, max_steps=3, callbacks=[buckets]).fit(module, loader)
+    return {"buckets": buckets.buckets, "weights": {k: v.detach().clone() for k, v in module.state_dict().items()}}
+
+
+def _transformer_fits() -> dict:
+    return {"ours": _transformer_fit("ddp_scratch"), "ddp": _transformer_fit(DDPStrategy())}
+
+
+@pytest.mark.timeout(300)
+def test_buckets_are_rebuilt_as_torch_ddp_rebuilds_them_on_lightnings_transformer():
+    """[Note: bucket rebuild] in ``lightning_zero/dp/reducer.py``: after the first step the buckets hold the
+    parameters torch DDP's hold under Lightning's ``ddp``, in the same order; the weights stay Lightning's."""
+    for rank_result in run_workers(_transformer_fits, 2, timeout=240):
+        ours, theirs = rank_result["ours"], rank_result["ddp"]
+        assert ours["buckets"] == theirs["buckets"]
+        assert len(ours["buckets"]) > 1
+        assert max_abs_diff(ours["weights"], theirs["weights"]) <= TOLERANCE
 
 
 @pytest.mark.gpu
