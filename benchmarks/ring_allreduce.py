@@ -1,10 +1,14 @@
-"""gloo all-reduce: lightning_zero's ring (:mod:`lightning_zero.comm.ring`) vs the backend's ``dist.all_reduce``.
+"""gloo all-reduce: lightning_zero's ring (:mod:`lightning_zero.comm.ring`) and, with ``--hierarchical``, its
+hierarchical all-reduce (:mod:`lightning_zero.comm.hierarchy`) vs the backend's ``dist.all_reduce``.
 
 Runbook (the script starts its own processes, one group per rank count; no torchrun)::
 
     python benchmarks/ring_allreduce.py                          # 1..128 MiB fp32, 2, 3 and 4 ranks, 7 trials
     python benchmarks/ring_allreduce.py --sizes 16 --ranks 2 --chunk-kib 64 256 1024 4096   # pick CHUNK_BYTES
     python benchmarks/ring_allreduce.py --quick                  # smoke: tiny sizes, 2 ranks
+    # 2 nodes x 2 ranks on 1 Gbit/s links: the hierarchy (nodes of LOCAL_WORLD_SIZE ranks) vs gloo's own and the ring
+    lightning-zero-netlab --nodes 2 --ranks-per-node 2 --inter-node 1gbit -- python benchmarks/ring_allreduce.py \
+        --hierarchical --sizes 0.00390625 0.0625 1 16 64 256 --trials 3
 
 Why: ``collectives.all_reduce`` keeps ``algorithm="native"`` as its default until this measures the ring faster
 (see [Note: ring all-reduce]). For every rank count and size, after ``--warmup`` untimed trials, the trials are
@@ -20,12 +24,14 @@ import argparse
 import os
 import statistics
 import time
+from functools import partial
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lightning_zero.comm import ring
+from lightning_zero.comm.collectives import all_reduce
 
 try:  # run as a script, sys.path[0] is benchmarks/; imported from the repo root, it is a namespace package
     from benchmarks.processes import init_gloo, launch_prefix, launched, launched_world, reports, run_ranks
@@ -51,6 +57,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--chunk-kib", type=float, nargs="+", default=None, help="ring chunk sizes to compare (default: CHUNK_BYTES)"
     )
+    parser.add_argument(
+        "--hierarchical", action="store_true", help="also the hierarchical all-reduce (nodes of LOCAL_WORLD_SIZE ranks)"
+    )
     parser.add_argument("--quick", action="store_true", help="smoke run: 0.25 and 1 MiB, 2 ranks, 3 trials")
     args = parser.parse_args(argv)
     if args.ranks is None:  # under torchrun (or lightning-zero-netlab), the ranks it started
@@ -63,16 +72,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def algorithms(chunks: list[int]) -> list[str]:
-    return ["native", *(f"ring {chunk // 1024} KiB" for chunk in chunks)]
+def algorithms(args: argparse.Namespace) -> list[str]:
+    return ["native", *(f"ring {chunk // 1024} KiB" for chunk in args.chunks), *(["hierarchical"] * args.hierarchical)]
 
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, results: mp.Queue) -> None:
     torch.set_num_threads(1)
     init_gloo(rank, world, port)
-    names = algorithms(args.chunks)
-    runs = {"native": dist.all_reduce}
-    for name, chunk in zip(names[1:], args.chunks, strict=True):
+    names = algorithms(args)
+    runs = {"native": dist.all_reduce, "hierarchical": partial(all_reduce, algorithm="hierarchical", tag="bench")}
+    for name, chunk in zip(names[1:], args.chunks):
         runs[name] = lambda t, chunk=chunk: ring.ring_all_reduce(t, chunk_bytes=chunk, tag="bench")
     generator = torch.Generator().manual_seed(rank)
     times: dict[tuple[float, str], list[float]] = {}
@@ -111,7 +120,7 @@ def measure(world: int, args: argparse.Namespace) -> dict[tuple[float, str], flo
 
 
 def report(args: argparse.Namespace, results: dict[int, dict[tuple[float, str], float]]) -> None:
-    names = algorithms(args.chunks)
+    names = algorithms(args)
     rings = names[1:]
     header = ["ranks", "MiB", *(f"{name} ms" for name in names), *(f"{name} / native" for name in rings)]
     print(f"\nmedian of {args.trials} interleaved trials (slowest rank), {args.warmup} warm-up; fp32, gloo, 1 thread")
@@ -132,13 +141,13 @@ def main(argv: list[str] | None = None) -> None:
         print(
             f"reproduce: {launch_prefix()} benchmarks/ring_allreduce.py --sizes {sizes}"
             f" --ranks {' '.join(map(str, args.ranks))} --trials {args.trials} --warmup {args.warmup}"
-            f" --chunk-kib {chunks}"
+            f" --chunk-kib {chunks}{' --hierarchical' if args.hierarchical else ''}"
         )
         print(f"torch {torch.__version__}, {os.cpu_count()} CPUs", flush=True)
     results = {}
     for world in args.ranks:
         results[world] = measure(world, args)
-        print(f"{world} ranks: done, ring == native on the benchmark data", flush=True)
+        print(f"{world} ranks: done, {' and '.join(algorithms(args)[1:])} == native on the benchmark data", flush=True)
     report(args, results)
 
 

@@ -31,6 +31,9 @@ Candidates:
 - ``ddp_scratch_first_layout``: ``ddp_scratch`` that keeps its first buckets (reverse registration order) instead of
   rebuilding them by arrival after the first step ([Note: bucket rebuild] in ``lightning_zero/dp/rebuild.py``): with
   ``--head-first`` (the LM head registered before the embeddings) it shows what the rebuild buys.
+- ``ddp_scratch_native``: ``ddp_scratch`` with ``all_reduce_algorithm="native"``, gloo's own all-reduce for every
+  bucket: on several nodes of several ranks, the peer of the default ``"auto"``, which takes the hierarchical
+  all-reduce there ([Note: hierarchical all-reduce] in ``lightning_zero/comm/hierarchy.py``).
 - ``ddp``: Lightning's built-in ``DDPStrategy()`` (torch ``DistributedDataParallel``), defaults.
 - ``nocomm``: ``ScratchDDPStrategy`` with gradient sync switched off for every step: the same per-rank work (the
   reducer's hooks still copy gradients into its buckets) with no collective at all. ``x - nocomm`` is the cost of
@@ -141,6 +144,7 @@ except ImportError:
 CANDIDATES = (
     "ddp_scratch",
     "ddp_scratch_first_layout",
+    "ddp_scratch_native",
     "ddp_scratch_bf16comm",
     "ddp_scratch_powersgd",
     "ddp",
@@ -162,6 +166,7 @@ POWERSGD = {"rank": 4, "start_iter": 0}  # compress from the first step: every t
 LEDGER_CANDIDATES = (
     "ddp_scratch",
     "ddp_scratch_first_layout",
+    "ddp_scratch_native",
     *COMM_OPTIONS,
     *ZERO_CANDIDATES,
     *ZERO_OPTIONS,
@@ -188,6 +193,7 @@ HIDDEN_BUFFERS = {
 STAGES = {
     "ddp_scratch": 0,
     "ddp_scratch_first_layout": 0,
+    "ddp_scratch_native": 0,
     "ddp_scratch_bf16comm": 0,
     "ddp_scratch_powersgd": 0,  # + PowerSGD's error feedback (4Ψ) and Q memories, in the strategy buffers
     "ddp": 0,
@@ -321,6 +327,8 @@ class CandidateResult:
 def make_strategy(name: str, bucket_size_mb: float, world_size: int) -> Strategy:
     if name == "ddp_scratch":
         return ScratchDDPStrategy(bucket_size_mb=bucket_size_mb)
+    if name == "ddp_scratch_native":
+        return ScratchDDPStrategy(bucket_size_mb=bucket_size_mb, all_reduce_algorithm="native")
     if name == "ddp_scratch_first_layout":
         return FirstLayoutStrategy(bucket_size_mb=bucket_size_mb)
     if name == "ddp_scratch_bf16comm":

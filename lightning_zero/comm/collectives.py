@@ -54,11 +54,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_zero.comm import watchdog
+from lightning_zero.comm import hierarchy, watchdog
 from lightning_zero.comm.groups import LOCAL_REDUCE, ReduceOpName, torch_reduce_op
 
 # The process-group queries and the ledger are part of the shim's API (``comm.rank()``, ``comm.LEDGER``): explicit
 # re-exports of their own modules' names, which the ring imports without importing the shim.
+from lightning_zero.comm.groups import backend as backend
 from lightning_zero.comm.groups import global_rank as global_rank
 from lightning_zero.comm.groups import is_initialized as is_initialized
 from lightning_zero.comm.groups import rank as rank
@@ -70,7 +71,7 @@ from lightning_zero.comm.ring import ring_all_reduce
 _reduce_scatter_native = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather_native = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
-ALL_REDUCE_ALGORITHMS = ("native", "ring")
+ALL_REDUCE_ALGORITHMS = ("native", "ring", "hierarchical")
 ALL_REDUCE_ALGORITHM = "native"
 """The algorithm of :func:`all_reduce` when the call names none (one of :data:`ALL_REDUCE_ALGORITHMS`)."""
 
@@ -152,26 +153,34 @@ def all_reduce(
     tag: str = "",
     dtype: torch.dtype | None = None,
     algorithm: str | None = None,
+    ranks_per_node: int | None = None,
 ) -> Handle | None:
     """In-place all-reduce of ``tensor``, communicated in ``dtype`` when given (a copy, cast back on completion).
 
-    ``algorithm``: ``"native"`` or ``"ring"``, default :data:`ALL_REDUCE_ALGORITHM`. The ring is synchronous: with
-    ``async_op=True`` it has completed when the call returns, and the handle it returns is already finished.
+    ``algorithm``: ``"native"``, ``"ring"`` or ``"hierarchical"``, default :data:`ALL_REDUCE_ALGORITHM`. The ring is
+    synchronous: with ``async_op=True`` it has completed when the call returns, and the handle it returns is already
+    finished. The hierarchy ([Note: hierarchical all-reduce] in ``lightning_zero/comm/hierarchy.py``) runs over the
+    default group only, with nodes of ``ranks_per_node`` ranks (default ``LOCAL_WORLD_SIZE``), on its own worker
+    thread.
     """
     algorithm = ALL_REDUCE_ALGORITHM if algorithm is None else algorithm
     if algorithm not in ALL_REDUCE_ALGORITHMS:
         raise ValueError(f"all_reduce algorithm {algorithm!r} is invalid: expected one of {ALL_REDUCE_ALGORITHMS}")
     wire = _in_dtype(tensor, dtype)
     if wire is not None:
-        handle = all_reduce(wire, op, group=group, async_op=True, tag=tag, algorithm=algorithm)
+        handle = all_reduce(
+            wire, op, group=group, async_op=True, tag=tag, algorithm=algorithm, ranks_per_node=ranks_per_node
+        )
         return finish([handle], async_op, then=lambda: tensor.copy_(wire))
     if algorithm == "ring":
         torch_reduce_op(op)  # the same error as the native path for an unknown name
         ring_all_reduce(tensor, op, group=group, tag=tag)
         return finish([], async_op)
-    reduce_op = torch_reduce_op(op)
+    if algorithm == "hierarchical":
+        work = hierarchy.launch(tensor, op, group, ranks_per_node)
+    else:
+        work = dist.all_reduce(tensor, op=torch_reduce_op(op), group=group, async_op=True)
     LEDGER.record("all_reduce", tag, nbytes_of(tensor))
-    work = dist.all_reduce(tensor, op=reduce_op, group=group, async_op=True)
     return finish([work], async_op, op="all_reduce", tag=tag, nbytes=nbytes_of(tensor), group=group)
 
 

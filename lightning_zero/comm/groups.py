@@ -43,6 +43,11 @@ def is_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+def backend(group: Any = None) -> str:
+    """The process group's backend (``"gloo"``, ``"nccl"``, ...), ``"none"`` without one."""
+    return str(dist.get_backend(group)) if is_initialized() else "none"
+
+
 def world_size(group: Any = None) -> int:
     return dist.get_world_size(group) if is_initialized() else 1
 

@@ -31,6 +31,8 @@ from typing import Any
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from lightning_zero.comm import collectives as comm
+from lightning_zero.comm.hierarchy import bucket_algorithm
 from lightning_zero.comm.powersgd import CHECKPOINT_KEY, PowerSGDCompressor
 from lightning_zero.comm.powersgd_config import PowerSGDConfig
 from lightning_zero.dp.reducer import GradientReducer
@@ -46,7 +48,10 @@ class DataParallelEngine:
         policy: the run's precision policy.
         bucket_cap_bytes: cap of one gradient bucket.
         first_bucket_cap_bytes: cap of the first bucket when the buckets are rebuilt by arrival order ([Note: bucket
-            rebuild] in ``lightning_zero/dp/reducer.py``); ``None``: ``bucket_cap_bytes``.
+            rebuild] in ``lightning_zero/dp/rebuild.py``); ``None``: ``bucket_cap_bytes``.
+        all_reduce_algorithm: the buckets' all-reduce: ``"auto"`` (:func:`~lightning_zero.comm.hierarchy.
+            bucket_algorithm`), ``"native"``, ``"ring"`` or ``"hierarchical"``.
+        ranks_per_node: the job's processes per node (the hierarchy's nodes).
         find_unused_parameters: see :class:`~lightning_zero.dp.reducer.GradientReducer`.
         compression: PowerSGD's settings, or ``None`` for the plain all-reduce.
     """
@@ -60,8 +65,11 @@ class DataParallelEngine:
         find_unused_parameters: bool,
         compression: PowerSGDConfig | None = None,
         first_bucket_cap_bytes: int | None = None,
+        all_reduce_algorithm: str = "native",
+        ranks_per_node: int = 1,
     ) -> None:
         self.module, self.policy = module, policy
+        self.all_reduce_algorithm, self.ranks_per_node = all_reduce_algorithm, ranks_per_node
         self.bucket_cap_bytes, self.find_unused_parameters = bucket_cap_bytes, find_unused_parameters
         self.first_bucket_cap_bytes = first_bucket_cap_bytes
         self.compressor = PowerSGDCompressor(compression) if compression is not None else None
@@ -92,6 +100,7 @@ class DataParallelEngine:
             self.module,
             bucket_cap_bytes=self.bucket_cap_bytes,
             first_bucket_cap_bytes=self.first_bucket_cap_bytes,
+            all_reduce_options=self._all_reduce_options,
             find_unused_parameters=self.find_unused_parameters,
             grad_dtype=self.master_dtype,  # masters: gradients accumulate in their dtype
             reduce_dtype=self.policy.reduce_dtype,
@@ -103,6 +112,17 @@ class DataParallelEngine:
             self.reducer.require_backward_grad_sync = old.require_backward_grad_sync
             if self.compressor is not None:
                 self.compressor.reset_buckets()
+
+    def _all_reduce_options(self, nbytes: int) -> dict[str, Any]:
+        """A bucket's all-reduce algorithm (and the hierarchy's nodes), by its bytes."""
+        algorithm = bucket_algorithm(
+            self.all_reduce_algorithm,
+            nbytes,
+            backend=comm.backend(),
+            world_size=comm.world_size(),
+            ranks_per_node=self.ranks_per_node,
+        )
+        return {"algorithm": algorithm, "ranks_per_node": self.ranks_per_node}
 
     def _master_off(self, p: Tensor) -> bool:
         """Whether ``p``'s master is turned off (its optimizer toggled off: [Note: toggled-off optimizers] in

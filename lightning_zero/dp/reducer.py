@@ -97,6 +97,7 @@ class GradientReducer(ArrivalRebuild):
             optimizers] in ``lightning_zero/optim/sharding.py``).
         rebuild_caps: ``(first_cap_bytes, cap_bytes)`` of the one rebuild by arrival order ([Note: bucket rebuild]);
             ``None``: the buckets stay as given.
+        all_reduce_options: extra arguments of a bucket's all-reduce by its bytes (``algorithm``, ``ranks_per_node``).
     """
 
     def __init__(
@@ -115,6 +116,7 @@ class GradientReducer(ArrivalRebuild):
         reduce_bucket: Callable[[GradBucket], comm.Handle] | None = None,
         ignored: Callable[[Tensor], bool] | None = None,
         rebuild_caps: tuple[int, int] | None = None,
+        all_reduce_options: Callable[[int], dict[str, Any]] | None = None,
     ) -> None:
         if compressor is not None and transient:
             raise ValueError(
@@ -134,6 +136,7 @@ class GradientReducer(ArrivalRebuild):
         self.compressor = compressor
         self.reduce_bucket = reduce_bucket
         self._ignored = ignored
+        self._options = all_reduce_options or (lambda nbytes: {})
         self.require_backward_grad_sync = True
 
         self._index_buckets()
@@ -189,12 +192,8 @@ class GradientReducer(ArrivalRebuild):
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad][::-1]
         params = [p for _, p in named]
         dtypes = [grad_dtype or p.dtype for p in params]
-        layouts = assign_buckets(
-            [p.numel() for p in params],
-            [torch.empty((), dtype=d).element_size() for d in dtypes],
-            [(d, p.device) for d, p in zip(dtypes, params)],
-            bucket_cap_bytes,
-        )
+        keys = [(d, p.device) for d, p in zip(dtypes, params)]
+        layouts = assign_buckets([p.numel() for p in params], [d.itemsize for d in dtypes], keys, bucket_cap_bytes)
         buckets = []
         for layout in layouts:
             dtype, device = dtypes[layout.indices[0]], params[layout.indices[0]].device  # the layout's key
@@ -356,8 +355,10 @@ class GradientReducer(ArrivalRebuild):
             elif self.reduce_bucket is not None:
                 handle = self.reduce_bucket(bucket)
             else:
+                buffer = bucket.bound_buffer
+                options = self._options(buffer.numel() * (self.reduce_dtype or buffer.dtype).itemsize)
                 handle = comm.all_reduce(
-                    bucket.bound_buffer, "avg", group=self.group, async_op=True, tag=self.tag, dtype=self.reduce_dtype
+                    buffer, "avg", group=self.group, async_op=True, tag=self.tag, dtype=self.reduce_dtype, **options
                 )
             assert handle is not None  # launched with async_op=True
             self._in_flight.append((bucket, handle))

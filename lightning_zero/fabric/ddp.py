@@ -25,6 +25,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero.comm.bucketing import DEFAULT_BUCKET_SIZE_MB, first_bucket_cap_bytes
+from lightning_zero.comm.hierarchy import check_algorithm
 from lightning_zero.comm.powersgd import CHECKPOINT_KEY
 from lightning_zero.comm.powersgd_config import compression_config
 from lightning_zero.dp.engine import DataParallelEngine
@@ -37,6 +38,10 @@ class ScratchDDPStrategy(ScratchFabricStrategy):
 
     Args:
         bucket_size_mb: cap of one gradient bucket in MiB (> 0).
+        all_reduce_algorithm: ``"auto"`` (default), ``"native"``, ``"ring"`` or ``"hierarchical"``: how the buckets
+            are all-reduced. ``"auto"`` takes the hierarchical all-reduce ([Note: hierarchical all-reduce] in
+            ``lightning_zero/comm/hierarchy.py``) for buckets of 1 MiB and more on gloo when the job spans several nodes
+            of several processes each (measured faster there), else the backend's own.
         grad_compression: gradient compression (``None`` or ``"powersgd"``), as for the Trainer's
             :class:`~lightning_zero.strategies.ddp.ScratchDDPStrategy`.
         powersgd: PowerSGD's settings, as for the Trainer's strategy.
@@ -51,11 +56,14 @@ class ScratchDDPStrategy(ScratchFabricStrategy):
         bucket_size_mb: float = DEFAULT_BUCKET_SIZE_MB,
         grad_compression: str | None = None,
         powersgd: Mapping[str, Any] | None = None,
+        all_reduce_algorithm: str = "auto",
         **kwargs: Any,
     ) -> None:
         check_bucket_size(bucket_size_mb)
+        check_algorithm(all_reduce_algorithm)
         super().__init__(**kwargs)
         self.bucket_size_mb = bucket_size_mb
+        self.all_reduce_algorithm = all_reduce_algorithm
         self.compression = compression_config(
             grad_compression, powersgd, reduce_dtype=self._precision_settings["reduce_dtype"]
         )
@@ -71,6 +79,8 @@ class ScratchDDPStrategy(ScratchFabricStrategy):
             first_bucket_cap_bytes=first_bucket_cap_bytes(self.bucket_size_mb),
             find_unused_parameters=self.find_unused_parameters,
             compression=self.compression,
+            all_reduce_algorithm=self.all_reduce_algorithm,
+            ranks_per_node=self.num_processes,
         )
         return module
 

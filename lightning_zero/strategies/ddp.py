@@ -36,6 +36,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero.comm.bucketing import DEFAULT_BUCKET_SIZE_MB, first_bucket_cap_bytes
+from lightning_zero.comm.hierarchy import check_algorithm
 from lightning_zero.comm.powersgd_config import compression_config
 from lightning_zero.dp.engine import DataParallelEngine
 from lightning_zero.dp.reducer import GradientReducer
@@ -48,6 +49,10 @@ class ScratchDDPStrategy(ScratchParallelStrategy):
 
     Args:
         bucket_size_mb: cap of one gradient bucket in MiB (> 0). 25 balances overlap against per-call overhead.
+        all_reduce_algorithm: ``"auto"`` (default), ``"native"``, ``"ring"`` or ``"hierarchical"``: how the buckets
+            are all-reduced. ``"auto"`` takes the hierarchical all-reduce ([Note: hierarchical all-reduce] in
+            ``lightning_zero/comm/hierarchy.py``) for buckets of 1 MiB and more on gloo when the job spans several nodes
+            of several processes each (measured faster there), else the backend's own.
         grad_compression: ``None`` (the plain average) or ``"powersgd"``.
         powersgd: PowerSGD's options (:class:`~lightning_zero.comm.powersgd_config.PowerSGDConfig`: ``rank``,
             ``start_iter``, ``min_compression_rate``, ``warm_start``, ``error_feedback``, ``seed``,
@@ -65,11 +70,14 @@ class ScratchDDPStrategy(ScratchParallelStrategy):
         bucket_size_mb: float = DEFAULT_BUCKET_SIZE_MB,
         grad_compression: str | None = None,
         powersgd: Mapping[str, Any] | None = None,
+        all_reduce_algorithm: str = "auto",
         **kwargs: Any,
     ) -> None:
         check_bucket_size(bucket_size_mb)
+        check_algorithm(all_reduce_algorithm)
         super().__init__(**kwargs)
         self.bucket_size_mb = bucket_size_mb
+        self.all_reduce_algorithm = all_reduce_algorithm
         self.compression = compression_config(
             grad_compression, powersgd, reduce_dtype=self._precision_settings["reduce_dtype"]
         )
@@ -106,6 +114,8 @@ class ScratchDDPStrategy(ScratchParallelStrategy):
                 first_bucket_cap_bytes=first_bucket_cap_bytes(self.bucket_size_mb),
                 find_unused_parameters=self.find_unused_parameters,
                 compression=self.compression,
+                all_reduce_algorithm=self.all_reduce_algorithm,
+                ranks_per_node=self.num_processes,
             )
             self._record_trainable()
             self.setup_optimizers(trainer)

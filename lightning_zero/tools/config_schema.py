@@ -19,6 +19,7 @@ from typing import Any, Optional, cast
 
 from omegaconf import MISSING
 
+from lightning_zero.comm.hierarchy import check_algorithm
 from lightning_zero.comm.powersgd_config import compression_config
 from lightning_zero.comm.watchdog import DEFAULT_TIMEOUT as DEFAULT_COLLECTIVE_TIMEOUT
 from lightning_zero.comm.watchdog import check_timeout
@@ -130,12 +131,14 @@ class ScratchDDPStrategyConf(_DataParallelConf):
     bucket_size_mb: float = 25.0
     grad_compression: Optional[str] = None
     powersgd: dict[str, Any] = field(default_factory=dict)
+    all_reduce_algorithm: str = "auto"
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _check_bucket(self.bucket_size_mb)
         with as_config_error():
             compression_config(self.grad_compression, self.powersgd, reduce_dtype=self.reduce_dtype)
+            check_algorithm(self.all_reduce_algorithm)
 
 
 @dataclass

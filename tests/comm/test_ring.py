@@ -82,7 +82,8 @@ def test_send_bytes_are_2_n_minus_1_over_n_of_the_input_up_to_rounding(numel, n)
 def test_schedule_and_bad_arguments_are_refused_with_the_allowed_values():
     with pytest.raises(ValueError, match="rank 3 is not in a ring of 3"):
         ring_schedule(3, 3)
-    with pytest.raises(ValueError, match=r"algorithm 'tree' is invalid: expected one of \('native', 'ring'\)"):
+    expected = r"algorithm 'tree' is invalid: expected one of \('native', 'ring', 'hierarchical'\)"
+    with pytest.raises(ValueError, match=expected):
         comm.all_reduce(torch.zeros(2), algorithm="tree")
     with pytest.raises(ValueError, match="reduce op 'median' is invalid"):
         comm.all_reduce(torch.zeros(2), "median", algorithm="ring")
