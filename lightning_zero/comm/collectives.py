@@ -14,19 +14,20 @@ It has these jobs.
    plus a full all-reduce plus a copy, and ``all_gather_into_tensor`` allocates a full-size temporary; both are slower
    than ``all_reduce`` for large messages. ``benchmarks/collectives.py`` measured, 2 ranks, median ms native vs
    substitute: reduce-scatter 1 MiB 1.8 vs 3.8, 4 MiB 7.3 vs 4.8, 64 MiB 94 vs 65, 128 MiB 147 vs 91; all-gather
-   1 MiB 0.9 vs 1.1, 4 MiB 3.9 vs 3.5, 64 MiB 63 vs 24, 128 MiB 127 vs 48. So on gloo, from
+   (pairwise, 2026-12-07) 4 MiB 1.5 vs 1.3, 16 MiB 8.1 vs 3.6, 64 MiB 48 vs 19, 128 MiB 108 vs 35. So on gloo, from
    :data:`GLOO_SUBSTITUTE_MIN_BYTES` of input up:
 
    - reduce-scatter  = pairwise exchange: each rank sends chunk ``d`` of its input to rank ``d`` and receives its own
      chunk from every other rank (point-to-point, all in flight at once), then sums the N contributions in rank
      order. Each rank sends and receives (N-1)/N of the input, half of what an all-reduce moves; 2 ranks, median ms:
      12.6 MiB 4.8 (all-reduce 9.4, native 16.7), 34 MiB 21.8 (27.6, 51.6);
-   - all-gather      = one broadcast per rank straight into the preallocated output.
+   - all-gather      = pairwise exchange too: each rank sends its input to every other rank and receives theirs
+     straight into the preallocated output.
 
    [Note: gloo pieces] gloo serves one direction of a pair at a time per message: one isend and one irecv of 32 MiB
    each way between two nodes on 1 Gbit/s links took 560 ms (median of 10), twice the 282 ms of both directions at
    once; the same exchange in 4, 16 and 64 pieces took 350, 298 and 284 ms (``lightning-zero-netlab``, about
-   ideal x (1 + 1/pieces)), and on loopback 64 MiB cost the same in 1 to 64 pieces. So the pairwise exchange sends
+   ideal x (1 + 1/pieces)), and on loopback 64 MiB cost the same in 1 to 64 pieces. So both pairwise exchanges send
    pieces of at most :data:`GLOO_PIECE_BYTES`; the result is the same bit for bit (the sum order does not change).
 
    ``input`` must stay untouched until the returned handle has been waited on.
@@ -40,8 +41,7 @@ It has these jobs.
 4. **Quantized collectives** (ZeRO++'s qwZ and qgZ, [Note: quantized reduce-scatter]): in
    :mod:`lightning_zero.comm.quantized` send blockwise int8 with fp32 scales and dequantize on completion.
 
-Asynchronous calls return a :class:`Handle` whose ``wait()`` also runs any copy-out (or dequantization) the call
-needs.
+Asynchronous calls return a :class:`Handle` whose ``wait()`` also runs any copy-out (or dequantization) it needs.
 """
 
 from __future__ import annotations
@@ -308,14 +308,14 @@ def all_gather(
     if not uses_gloo_substitutes(nbytes_of(output), group):
         work = _all_gather_native(output, input, group=group, async_op=True)
         return finish([work], async_op, **described)
-    flat = output.view(-1)
-    mine = flat.narrow(0, rank(group) * k, k)
+    flat, me = output.view(-1), rank(group)
+    mine = flat.narrow(0, me * k, k)
     if mine.data_ptr() != input.data_ptr():  # ZeRO gathers in place: the input already is this rank's slot
         mine.copy_(input.view(-1))
-    works = []
-    for r in range(n):
-        src = r if group is None else dist.get_global_rank(group, r)
-        works.append(dist.broadcast(flat.narrow(0, r * k, k), src=src, group=group, async_op=True))
+    works, piece = [], max(1, GLOO_PIECE_BYTES // flat.element_size())  # [Note: gloo pieces]
+    for q, peer in ((q, global_rank(q, group)) for q in range(n) if q != me):  # each send beside its receive
+        for sent, landing in zip(mine.split(piece), flat.narrow(0, q * k, k).split(piece)):
+            works += [dist.isend(sent, peer, group=group), dist.irecv(landing, peer, group=group)]
     return finish(works, async_op, **described)
 
 

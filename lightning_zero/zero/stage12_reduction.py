@@ -11,7 +11,8 @@ the part inside its shard. ``grad_reduction`` chooses how the bucket is averaged
   (summed) into the rank that owns it and divided there, so every rank receives only its shard of the gradient, and a
   step moves about as much as DDP's. Only for transient buckets (stage 2, or stage 1 with ``"microbatch"``): stage 1's
   ``"boundary"`` mode keeps the full averaged gradient (``p.grad``) on every rank. Under hybrid sharding the pieces
-  are reduced in the shard group, then each owned piece is all-reduced across the replicas.
+  are reduced in the shard group, then each owned piece is all-reduced across the replicas. How the pieces travel:
+  [Note: reduce to owners] in ``lightning_zero/comm/owners.py``.
 - ``"auto"``: ``"reduce_scatter"`` where the backend has native reductions to one rank (NCCL) and the buckets are
   transient, else ``"all_reduce"``: on gloo the all-reduce measured faster (docs/guide/communication.md).
 """
@@ -26,6 +27,7 @@ from torch import nn
 
 from lightning_zero.comm import collectives as comm
 from lightning_zero.comm.bucketing import assign_buckets
+from lightning_zero.comm.owners import reduce_to_owners
 from lightning_zero.dp.buckets import GradBucket
 from lightning_zero.dp.reducer import GradientReducer
 from lightning_zero.zero.flat_group import FlatGroup
@@ -135,26 +137,22 @@ class ShardGradients:
         g, lo, hi = self._bucket_range[id(bucket)]
         buffer = bucket.buffer
         assert buffer is not None  # the reducer hands over a bucket with its gradients
-        handles, mine = [], None
+        pieces = []
         for r in range(self.world_size):
             owned_lo, owned_hi = g.layout.owned(r, lo, hi)
-            if owned_lo == owned_hi:
-                continue
-            piece = buffer.narrow(0, owned_lo - lo, owned_hi - owned_lo)
-            dst = r if self.group is None else dist.get_global_rank(self.group, r)
-            handles.append(
-                comm.reduce(piece, dst, "sum", group=self.group, async_op=True, tag="grads", dtype=self.reduce_dtype)
-            )
-            mine = piece if r == self.rank else mine
+            start = owned_lo - lo if owned_lo < owned_hi else 0  # an empty range may start past the bucket
+            pieces.append(buffer.narrow(0, start, owned_hi - owned_lo))
+        handle = reduce_to_owners(pieces, group=self.group, tag="grads", dtype=self.reduce_dtype)
+        mine = pieces[self.rank]
 
         def average() -> None:
-            if mine is None:
+            if not mine.numel():
                 return
             mine.div_(self.world_size)
             if self.replicate_group is not None:  # hybrid: the shard group's average, averaged across the replicas
                 comm.all_reduce(mine, "avg", group=self.replicate_group, tag="grads", dtype=self.reduce_dtype)
 
-        return comm.Handle(handles, then=average)
+        return comm.Handle([handle], then=average)
 
     def on_reduced(self, bucket: GradBucket) -> None:
         """A reduced bucket: this rank's slice into its group's shard gradient (stage 1's ``"boundary"``: a view of
