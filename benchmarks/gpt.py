@@ -165,17 +165,21 @@ class GPTLightningModule(L.LightningModule):
     for-loop default, which would otherwise swamp the differences between strategies. It also runs on FSDP2's DTensor
     parameters on CPU (checked: same result as the unsharded model to 6e-8 after 5 steps). ``zero_redundancy=True``
     wraps the same AdamW in torch's ``ZeroRedundancyOptimizer`` (the peer of ``zero1_scratch`` under Lightning's
-    ``ddp``).
+    ``ddp``). ``hsdp=True`` (under ``ModelParallelStrategy``) shards with FSDP2 over the mesh's second dimension and
+    replicates over its first: HSDP.
 
     ``self.model`` is ``None`` until ``configure_model()`` (called by the Trainer, or by hand before using the module
     without one).
     """
 
-    def __init__(self, config: GPTConfig | None = None, lr: float = 3e-4, zero_redundancy: bool = False) -> None:
+    def __init__(
+        self, config: GPTConfig | None = None, lr: float = 3e-4, zero_redundancy: bool = False, hsdp: bool = False
+    ) -> None:
         super().__init__()
         self.config = config or GPTConfig()
         self.lr = lr
         self.zero_redundancy = zero_redundancy
+        self.hsdp = hsdp
         self.model: GPT | None = None
         # The RNG state the model used to be built from (in __init__): configure_model() builds from it.
         self._init_rng_state = torch.get_rng_state()
@@ -194,9 +198,12 @@ class GPTLightningModule(L.LightningModule):
                 # gather in fp32. This gathers bf16 copies of the fp32 shards, as lightning_zero's ZeRO stages do
                 # under bf16-mixed, and reduces the gradients in fp32, as they do.
                 policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            # HSDP: the whole 2-D mesh, FSDP2's (replicate, shard) order: replicated across "data_parallel", sharded
+            # over "tensor_parallel" (consecutive ranks: inside a node).
+            shard_mesh = mesh if self.hsdp else mesh["data_parallel"]
             for block in self.model.blocks:
-                fully_shard(block, mesh=mesh["data_parallel"], mp_policy=policy)
-            fully_shard(self.model, mesh=mesh["data_parallel"], mp_policy=policy)
+                fully_shard(block, mesh=shard_mesh, mp_policy=policy)
+            fully_shard(self.model, mesh=shard_mesh, mp_policy=policy)
 
     def forward(self, idx: Tensor) -> Tensor:
         if self.model is None:

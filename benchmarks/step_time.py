@@ -52,6 +52,13 @@ Candidates:
   (default ``reshard_after_forward=True``), on the mesh's ``"data_parallel"`` dimension. The same
   ``AdamW(fused=True)`` steps the DTensor parameter shards: the fused CPU kernel handles DTensors (checked on torch
   2.13 against an unsharded model), so every candidate keeps the fused optimizer. The peer of ``zero3_scratch``.
+- ``zero3_scratch_hybrid``: ``zero3_scratch`` with ``shard_size=LOCAL_WORLD_SIZE`` (hybrid sharding: parameters
+  sharded and gathered inside each node, gradients averaged across nodes); its peers are ``zero3_scratch`` (the
+  ``vs zero3_scratch`` column) and ``fsdp2_hsdp``.
+- ``fsdp2_hsdp``: FSDP2's HSDP, ``fully_shard`` on a 2-D ``(nodes, ranks per node)`` mesh (Lightning's
+  ``ModelParallelStrategy(data_parallel_size=nodes, tensor_parallel_size=ranks per node)``, the module applying
+  ``fully_shard`` on the whole mesh). Lightning's sampler follows the first dimension, so a node's ranks get the same
+  batches: the same work per rank, so a timing peer, not a training setup. Model states are not counted for either.
 - ``zero3_scratch``: :class:`lightning_zero.ZeroStrategy` with ``stage=3`` and ``auto_wrap_policy={Block}`` (each
   ``Block`` gathered on its own, like ``fsdp2``'s units; the rest is the root unit). The model is built on the meta
   device in ``configure_model`` and materialised with each module's ``reset_parameters()`` (so its initial weights
@@ -67,8 +74,8 @@ without it FSDP2 would gather fp32 under autocast. ``ModelParallelStrategy`` als
 Lightning casts the module to bf16 before sharding, so shards, gradients and AdamW's moments are bf16 with no fp32
 master: not the peer of the ZeRO stages.
 
-Columns ``vs ddp``, ``vs nocomm``, ``vs ddp_zero_redundancy`` and ``vs fsdp2`` (each only when that candidate runs) are
-ratios of median step times.
+Columns ``vs ddp``, ``vs nocomm``, ``vs ddp_zero_redundancy``, ``vs fsdp2`` and ``vs zero3_scratch`` (each only when
+that candidate runs) are ratios of median step times.
 
 Memory: at ``on_train_end`` of every fit (before teardown), the per-rank model-state bytes are counted with
 :func:`lightning_zero.training.memory.strategy_model_state_bytes` (params, grads, optimizer state, strategy buffers;
@@ -156,9 +163,11 @@ CANDIDATES = (
     "fsdp2",
     "zero3_scratch",
     "zero3_scratch_quantized",
+    "zero3_scratch_hybrid",
+    "fsdp2_hsdp",
 )
 DEFAULT_CANDIDATES = ("ddp_scratch", "ddp", "nocomm")  # the DDP figures; independent of --preset
-PEERS = ("ddp", "nocomm", "ddp_zero_redundancy", "fsdp2")  # ratio columns, when present
+PEERS = ("ddp", "nocomm", "ddp_zero_redundancy", "fsdp2", "zero3_scratch")  # ratio columns, when present
 ZERO_CANDIDATES = ("zero1_scratch", "zero2_scratch", "zero3_scratch")
 COMM_OPTIONS = ("ddp_scratch_bf16comm", "ddp_scratch_powersgd")  # README "Communication options"
 ZERO_OPTIONS = ("zero2_scratch_reduce_scatter", "zero3_scratch_quantized")  # README "Communication options"
@@ -357,6 +366,13 @@ def make_strategy(name: str, bucket_size_mb: float, world_size: int) -> Strategy
     if name == "ddp_zero_redundancy":
         # The optimizer is ZeroRedundancyOptimizer(AdamW): GPTLightningModule(zero_redundancy=True) in fit_once.
         return DDPStrategy()
+    if name == "zero3_scratch_hybrid":  # parameters gathered inside each node's group of its ranks
+        return ZeroStrategy(stage=3, auto_wrap_policy={Block}, shard_size=int(os.environ["LOCAL_WORLD_SIZE"]))
+    if name == "fsdp2_hsdp":
+        # FSDP2's HSDP on a (nodes, ranks per node) mesh: GPTLightningModule(hsdp=True). Lightning sizes the sampler
+        # by the first dimension, so the ranks of a node see the same batches: the same work, a timing peer only.
+        local = int(os.environ["LOCAL_WORLD_SIZE"])
+        return ModelParallelStrategy(data_parallel_size=world_size // local, tensor_parallel_size=local)
     raise ValueError(f"unknown candidate {name!r}: expected one of {CANDIDATES}")
 
 
@@ -365,7 +381,9 @@ def fit_once(
 ) -> tuple[StepTimer, FitStats]:
     """One fit of a freshly initialised model under candidate ``name``; returns (its step timer, FitStats)."""
     L.seed_everything(args.seed, verbose=False)  # same init and same DistributedSampler order for every candidate
-    module = GPTLightningModule(model_config(args), zero_redundancy=name == "ddp_zero_redundancy")
+    module = GPTLightningModule(
+        model_config(args), zero_redundancy=name == "ddp_zero_redundancy", hsdp=name == "fsdp2_hsdp"
+    )
     timer = StepTimer()
     probe = CommProbe(measure_memory=name in STAGES)
     trainer = L.Trainer(
