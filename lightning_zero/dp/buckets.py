@@ -5,10 +5,13 @@ its buffer), and the dense form a sparse gradient takes to enter one. The bucket
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
+
+from lightning_zero.comm.bucketing import BucketLayout
 
 
 def dense_grad(grad: Tensor) -> Tensor:
@@ -39,3 +42,17 @@ class GradBucket:
         it is consumed."""
         assert self.buffer is not None, "a transient bucket without a gradient has no buffer"
         return self.buffer
+
+
+def persistent_buckets(
+    layouts: Sequence[BucketLayout], dtypes: Sequence[torch.dtype], params: Sequence[Tensor]
+) -> list[GradBucket]:
+    """A bucket with a zeroed buffer of its own per layout, in its members' gradient dtype (``dtypes``, by index) and
+    on their device."""
+    buckets = []
+    for layout in layouts:
+        first = layout.indices[0]  # every member shares the layout's key: its gradient dtype and device
+        dtype, device = dtypes[first], params[first].device
+        buffer = torch.zeros(layout.numel, dtype=dtype, device=device)
+        buckets.append(GradBucket(layout.indices, layout.offsets, layout.numel, dtype, device, buffer))
+    return buckets

@@ -29,7 +29,7 @@ from torch import Tensor
 from lightning_zero.comm import collectives as comm
 from lightning_zero.comm.bucketing import buckets_by_arrival
 from lightning_zero.comm.powersgd import PowerSGDCompressor
-from lightning_zero.dp.buckets import GradBucket
+from lightning_zero.dp.buckets import GradBucket, persistent_buckets
 from lightning_zero.dp.buffer_pool import BufferPool
 
 
@@ -45,6 +45,7 @@ class ArrivalRebuild:
     _bucket_of: list[int]
     _pool: BufferPool
     _arrival: list[int] | None  # the hooks' order in the first synchronised pass, while a rebuild is to come
+    _rebuilt: bool  # the buckets are no longer the first ones
     _rebuild_caps: tuple[int, int] | None
     transient: bool
     compressor: PowerSGDCompressor | None
@@ -58,9 +59,9 @@ class ArrivalRebuild:
 
     @property
     def rebuilt_order(self) -> list[str] | None:
-        """The parameters' names in bucket order once the layout is final (rebuilt, restored or never to be
-        rebuilt), ``None`` while the first synchronised pass is still to set it ([Note: bucket rebuild])."""
-        return None if self._arrival is not None else [self._names[i] for b in self._buckets for i in b.indices]
+        """The parameters' names in bucket order once the buckets were rebuilt (by arrival, or restored by
+        :meth:`rebucket`); ``None`` while they are the first ones ([Note: bucket rebuild])."""
+        return [self._names[i] for b in self._buckets for i in b.indices] if self._rebuilt else None
 
     def keep_layout(self) -> None:
         """No rebuild: the buckets stay as they are (a resumed compressor's memories belong to them)."""
@@ -92,22 +93,13 @@ class ArrivalRebuild:
     def _rebucket(self, order: Sequence[int]) -> None:
         """New persistent buckets over the parameters in ``order``; this window's gradients move along."""
         assert self._rebuild_caps is not None and not self.transient
-        self._arrival = None
+        self._arrival, self._rebuilt = None, True
         held = {i: self._view(i) for i in range(len(self._params)) if self._cast[i] and self._in_buffer[i]}
         dtypes = [self._buckets[self._bucket_of[i]].dtype for i in range(len(self._params))]
-        layouts = buckets_by_arrival(
-            order,
-            [p.numel() for p in self._params],
-            [torch.empty((), dtype=d).element_size() for d in dtypes],
-            [(d, p.device) for d, p in zip(dtypes, self._params)],
-            *self._rebuild_caps,
-        )
-        self._buckets = []
-        for layout in layouts:
-            first = layout.indices[0]  # the layout's key: its members' gradient dtype and device
-            dtype, device = dtypes[first], self._params[first].device
-            buffer = torch.zeros(layout.numel, dtype=dtype, device=device)
-            self._buckets.append(GradBucket(layout.indices, layout.offsets, layout.numel, dtype, device, buffer))
+        keys = [(d, p.device) for d, p in zip(dtypes, self._params)]
+        numels = [p.numel() for p in self._params]
+        layouts = buckets_by_arrival(order, numels, [d.itemsize for d in dtypes], keys, *self._rebuild_caps)
+        self._buckets = persistent_buckets(layouts, dtypes, self._params)
         self._index_buckets()
         self._pool = BufferPool(self._buckets)
         for bucket in self._buckets:

@@ -57,7 +57,7 @@ from lightning_zero.comm import collectives as comm
 from lightning_zero.comm import watchdog
 from lightning_zero.comm.bucketing import assign_buckets
 from lightning_zero.comm.powersgd import PowerSGDCompressor
-from lightning_zero.dp.buckets import GradBucket, dense_grad
+from lightning_zero.dp.buckets import GradBucket, dense_grad, persistent_buckets
 from lightning_zero.dp.buffer_pool import BufferPool
 from lightning_zero.dp.rebuild import ArrivalRebuild
 from lightning_zero.dp.unused import unused_error
@@ -156,6 +156,7 @@ class GradientReducer(ArrivalRebuild):
         # [Note: bucket rebuild]: the hooks' order in the first synchronised pass, while a rebuild is to come.
         rebuilds = rebuild_caps is not None and not transient and reduce_bucket is None and not find_unused_parameters
         self._arrival: list[int] | None = [] if rebuilds else None
+        self._rebuilt = False
         self._reset_pass()
 
     def _index_buckets(self) -> None:
@@ -194,11 +195,7 @@ class GradientReducer(ArrivalRebuild):
         dtypes = [grad_dtype or p.dtype for p in params]
         keys = [(d, p.device) for d, p in zip(dtypes, params)]
         layouts = assign_buckets([p.numel() for p in params], [d.itemsize for d in dtypes], keys, bucket_cap_bytes)
-        buckets = []
-        for layout in layouts:
-            dtype, device = dtypes[layout.indices[0]], params[layout.indices[0]].device  # the layout's key
-            buffer = torch.zeros(layout.numel, dtype=dtype, device=device)
-            buckets.append(GradBucket(layout.indices, layout.offsets, layout.numel, dtype, device, buffer))
+        buckets = persistent_buckets(layouts, dtypes, params)
         caps = (first_bucket_cap_bytes or bucket_cap_bytes, bucket_cap_bytes)
         return cls(params, [name for name, _ in named], buckets, rebuild_caps=caps, **kwargs)
 

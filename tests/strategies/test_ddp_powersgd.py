@@ -35,11 +35,16 @@ class _LossModule(ParityModule):
         return loss
 
 
-def _strategy(compress: bool = True, **powersgd) -> lightning_zero.ScratchDDPStrategy:
+def _strategy(
+    compress: bool = True, find_unused_parameters: bool = False, **powersgd
+) -> lightning_zero.ScratchDDPStrategy:
     if not compress:
         return lightning_zero.ScratchDDPStrategy(bucket_size_mb=SMALL_BUCKET_MB)
     return lightning_zero.ScratchDDPStrategy(
-        bucket_size_mb=SMALL_BUCKET_MB, grad_compression="powersgd", powersgd={**POWERSGD, **powersgd}
+        bucket_size_mb=SMALL_BUCKET_MB,
+        grad_compression="powersgd",
+        powersgd={**POWERSGD, **powersgd},
+        find_unused_parameters=find_unused_parameters,
     )
 
 
@@ -73,6 +78,13 @@ def _fits(directory: str) -> dict:
         torch.save(checkpoint, stateless)
     dist.barrier()
     out["resumed_stateless"] = _fit(_strategy(), EPOCHS, resume=stateless)
+    # find_unused_parameters: no rebuild (as torch), so the checkpoint names no bucket order and the resume keeps the
+    # first layout its memories belong to
+    unused = f"{directory}/unused.ckpt"
+    out["unused_straight"] = _fit(_strategy(find_unused_parameters=True), EPOCHS)
+    _fit(_strategy(find_unused_parameters=True), EPOCHS // 2, save=unused)
+    out["unused_resumed"] = _fit(_strategy(find_unused_parameters=True), EPOCHS, resume=unused)
+    out["unused_order"] = torch.load(unused, weights_only=True)[CHECKPOINT_KEY]["bucket_order"]
     recorder = LedgerPerBatch()
     out["accumulated"] = _fit(_strategy(start_iter=1), 2, accumulate_grad_batches=2, callbacks=[recorder])
     out["accumulated"]["batches"] = recorder.batches
@@ -108,6 +120,7 @@ def test_resume_is_bit_identical_and_the_checkpoint_carries_every_rank(fits):
         for key, value in straight["weights"].items():
             assert torch.equal(value, resumed["weights"][key]), key
     state = fits[0]["saved_state"]
+    assert state["bucket_order"] is not None  # the rebuilt layout the memories belong to ([Note: bucket rebuild])
     assert CHECKPOINT_KEY in fits[0]["saved_keys"]
     assert state["world_size"] == WORLD and state["iteration"] == CONFIG.batches_per_rank * EPOCHS // 2
     errors = [entry["error"] for entry in state["buckets"].values()]
@@ -173,3 +186,12 @@ def test_good_arguments_build_the_config():
     assert (strategy.compression.rank, strategy.compression.start_iter) == (4, 10)
     assert lightning_zero.ScratchDDPStrategy(grad_compression="powersgd", reduce_dtype=None).compression is not None
     assert lightning_zero.ScratchDDPStrategy().compression is None
+
+
+@pytest.mark.timeout(360)
+def test_resume_with_find_unused_parameters_keeps_the_first_layout(fits):
+    for rank_fits in fits:
+        assert rank_fits["unused_order"] is None
+        straight, resumed = rank_fits["unused_straight"], rank_fits["unused_resumed"]
+        for key, value in straight["weights"].items():
+            assert torch.equal(value, resumed["weights"][key]), key
