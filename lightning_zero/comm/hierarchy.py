@@ -27,10 +27,12 @@ from __future__ import annotations
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 
@@ -114,6 +116,11 @@ class NodeGroups:
         return _FutureWork(self._worker.submit(self._all_reduce, tensor, op))
 
     def _all_reduce(self, tensor: Tensor, op: str) -> None:
+        # The CUDA device is per thread: this worker's would be cuda:0 whatever the rank's (NCCL needs the tensor's).
+        with torch.cuda.device(tensor.device) if tensor.is_cuda else nullcontext():
+            self._stages(tensor, op)
+
+    def _stages(self, tensor: Tensor, op: str) -> None:
         average = op in ("avg", "mean")
         reduce_op = torch_reduce_op("sum" if average else op)
         if self.node_group is not None:
