@@ -45,11 +45,7 @@ def assign_buckets(
         keys: what a bucket's members must share (dtype, device).
         cap_bytes: the bucket size cap in bytes, > 0.
     """
-    if not len(numels) == len(element_sizes) == len(keys):
-        raise ValueError(
-            f"numels, element_sizes and keys must have one entry per tensor: got {len(numels)}, "
-            f"{len(element_sizes)} and {len(keys)}"
-        )
+    _check_lengths(numels, element_sizes, keys)
     if cap_bytes <= 0:
         raise ValueError(f"cap_bytes={cap_bytes} is invalid: expected a positive number of bytes")
 
@@ -106,11 +102,7 @@ def buckets_by_arrival(
     """
     if sorted(order) != list(range(len(numels))):
         raise ValueError(f"order must list every tensor index 0..{len(numels) - 1} once: got {list(order)}")
-    if not len(numels) == len(element_sizes) == len(keys):
-        raise ValueError(
-            f"numels, element_sizes and keys must have one entry per tensor: got {len(numels)}, "
-            f"{len(element_sizes)} and {len(keys)}"
-        )
+    _check_lengths(numels, element_sizes, keys)
     for name, cap in (("first_cap_bytes", first_cap_bytes), ("cap_bytes", cap_bytes)):
         if cap <= 0:
             raise ValueError(f"{name}={cap} is invalid: expected a positive number of bytes")
@@ -129,6 +121,14 @@ def buckets_by_arrival(
             closed_count[key] = closed_count.get(key, 0) + 1
     closed += list(open_members.items())
     return [_layout(key, members, numels) for key, members in closed]
+
+
+def _check_lengths(numels: Sequence[int], element_sizes: Sequence[int], keys: Sequence[Hashable]) -> None:
+    if not len(numels) == len(element_sizes) == len(keys):
+        raise ValueError(
+            f"numels, element_sizes and keys must have one entry per tensor: got {len(numels)}, "
+            f"{len(element_sizes)} and {len(keys)}"
+        )
 
 
 def _layout(key: Hashable, members: Sequence[int], numels: Sequence[int]) -> BucketLayout:

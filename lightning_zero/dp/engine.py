@@ -206,7 +206,8 @@ class DataParallelEngine:
 
     def compressor_state(self) -> dict[str, Any]:
         """``{CHECKPOINT_KEY: compressor state}`` with compression, else ``{}``. A collective with compression. The
-        state carries the buckets' order once it is final (``"bucket_order"``): the memories are per bucket."""
+        state carries the buckets' order once they were rebuilt (``"bucket_order"``, else ``None``): the memories are
+        per bucket."""
         if self.compressor is None:
             return {}
         order = self.reducer.rebuilt_order if self.reducer is not None else self._final_order
