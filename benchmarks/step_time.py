@@ -35,14 +35,19 @@ Candidates:
   bucket: on several nodes of several ranks, the peer of the default ``"auto"``, which takes the hierarchical
   all-reduce there ([Note: hierarchical all-reduce] in ``lightning_zero/comm/hierarchy.py``).
 - ``ddp``: Lightning's built-in ``DDPStrategy()`` (torch ``DistributedDataParallel``), defaults.
+- ``ddp_powersgd_hook``: torch DDP with torch's own ``powerSGD_hook`` at the settings of ``ddp_scratch_powersgd``
+  (rank 4, from its earliest iteration, 2; error feedback, warm start), the peer of ``ddp_scratch_powersgd``. Lightning
+  registers comm hooks on CUDA only, so :class:`PowerSGDHookStrategy` registers it itself; one bucket
+  (``bucket_cap_mb=4096``), because torch's hook with several buckets can interleave its P and Q all-reduces
+  differently on two gloo ranks ("Received data size doesn't match", ``tests/comm/test_powersgd.py``).
 - ``nocomm``: ``ScratchDDPStrategy`` with gradient sync switched off for every step: the same per-rank work (the
   reducer's hooks still copy gradients into its buckets) with no collective at all. ``x - nocomm`` is the cost of
   communication that backward did not hide.
 - ``zero1_scratch``, ``zero2_scratch``: :class:`lightning_zero.ZeroStrategy` with ``stage=1`` / ``stage=2`` (default
-  ``grad_sync``).
-- ``zero2_scratch_reduce_scatter``: ``zero2_scratch`` with ``grad_reduction="reduce_scatter"`` (each bucket's pieces
-  reduced into their owners; [Note: gradient reduction] in ``lightning_zero/zero/stage12_reduction.py``), the NCCL
-  default, timed on gloo to choose gloo's.
+  ``grad_sync`` and ``grad_reduction="auto"``: stage 2 reduces each bucket's pieces into their owners, [Note: gradient
+  reduction] in ``lightning_zero/zero/stage12_reduction.py``).
+- ``zero2_scratch_all_reduce``: ``zero2_scratch`` with ``grad_reduction="all_reduce"`` (every rank receives the whole
+  averaged bucket): the peer that shows what reducing to owners saves.
 - ``zero3_scratch_quantized``: ``zero3_scratch`` with ZeRO++'s qwZ and qgZ (``quantized_weights=True``,
   ``quantized_grads=True``: parameters all-gathered and gradients reduce-scattered as blockwise int8).
 - ``ddp_zero_redundancy``: Lightning's ``DDPStrategy()`` with the same AdamW inside torch's
@@ -155,10 +160,11 @@ CANDIDATES = (
     "ddp_scratch_bf16comm",
     "ddp_scratch_powersgd",
     "ddp",
+    "ddp_powersgd_hook",
     "nocomm",
     "zero1_scratch",
     "zero2_scratch",
-    "zero2_scratch_reduce_scatter",
+    "zero2_scratch_all_reduce",
     "ddp_zero_redundancy",
     "fsdp2",
     "zero3_scratch",
@@ -167,10 +173,10 @@ CANDIDATES = (
     "fsdp2_hsdp",
 )
 DEFAULT_CANDIDATES = ("ddp_scratch", "ddp", "nocomm")  # the DDP figures; independent of --preset
-PEERS = ("ddp", "nocomm", "ddp_zero_redundancy", "fsdp2", "zero3_scratch")  # ratio columns, when present
+PEERS = ("ddp", "nocomm", "ddp_powersgd_hook", "ddp_zero_redundancy", "fsdp2", "zero3_scratch")  # ratio columns
 ZERO_CANDIDATES = ("zero1_scratch", "zero2_scratch", "zero3_scratch")
 COMM_OPTIONS = ("ddp_scratch_bf16comm", "ddp_scratch_powersgd")  # README "Communication options"
-ZERO_OPTIONS = ("zero2_scratch_reduce_scatter", "zero3_scratch_quantized")  # README "Communication options"
+ZERO_OPTIONS = ("zero2_scratch_all_reduce", "zero3_scratch_quantized")  # README "Communication options"
 POWERSGD = {"rank": 4, "start_iter": 0}  # compress from the first step: every timed step is a compressed one
 LEDGER_CANDIDATES = (
     "ddp_scratch",
@@ -187,13 +193,14 @@ PRECISIONS = ("32-true", "bf16-mixed")  # those the model-state table below cove
 PARAM_GATHERS = {
     "zero1_scratch": 1,
     "zero2_scratch": 1,
-    "zero2_scratch_reduce_scatter": 1,
+    "zero2_scratch_all_reduce": 1,
     "zero3_scratch": 2,
     "zero3_scratch_quantized": 2,
 }
 # Candidates whose strategy buffers are not visible from Python, and why.
 HIDDEN_BUFFERS = {
     "ddp": "C++ DDP buckets",
+    "ddp_powersgd_hook": "C++ DDP buckets",
     "ddp_zero_redundancy": "C++ DDP buckets",
     "fsdp2": "FSDP2's transient communication buffers",
 }
@@ -206,10 +213,11 @@ STAGES = {
     "ddp_scratch_bf16comm": 0,
     "ddp_scratch_powersgd": 0,  # + PowerSGD's error feedback (4Ψ) and Q memories, in the strategy buffers
     "ddp": 0,
+    "ddp_powersgd_hook": 0,  # + torch's error feedback and Q memories (C++-side state, not counted)
     "zero1_scratch": 1,
     "ddp_zero_redundancy": 1,
     "zero2_scratch": 2,
-    "zero2_scratch_reduce_scatter": 2,
+    "zero2_scratch_all_reduce": 2,
     "zero3_scratch": 3,
     "zero3_scratch_quantized": 3,
     "fsdp2": 3,
@@ -224,7 +232,7 @@ STATE_BYTES = {
         **dict.fromkeys(STAGES, (4, 4, 8)),
         "zero1_scratch": (4, 4, 12),
         "zero2_scratch": (4, 4, 12),
-        "zero2_scratch_reduce_scatter": (4, 4, 12),
+        "zero2_scratch_all_reduce": (4, 4, 12),
     },
 }
 MIB = 2**20
@@ -245,6 +253,24 @@ class NoCommStrategy(ScratchDDPStrategy):
         super().setup(trainer)
         if self.reducer is not None:
             self.reducer.require_backward_grad_sync = False
+
+
+class PowerSGDHookStrategy(DDPStrategy):
+    """Lightning's ``DDPStrategy`` with torch's ``powerSGD_hook`` registered on any device (Lightning registers comm
+    hooks on CUDA only): the torch peer of ``ddp_scratch_powersgd``."""
+
+    def __init__(self) -> None:
+        super().__init__(bucket_cap_mb=4096)  # one bucket: see the module docstring
+
+    def _register_ddp_hooks(self) -> None:
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+
+        state = powersgd.PowerSGDState(
+            process_group=None,
+            matrix_approximation_rank=POWERSGD["rank"],
+            start_powerSGD_iter=2,  # torch's earliest with error feedback or warm start
+        )
+        self.model.register_comm_hook(state, powersgd.powerSGD_hook)
 
 
 class FirstLayoutStrategy(ScratchDDPStrategy):
@@ -346,6 +372,8 @@ def make_strategy(name: str, bucket_size_mb: float, world_size: int) -> Strategy
         return ScratchDDPStrategy(bucket_size_mb=bucket_size_mb, grad_compression="powersgd", powersgd=POWERSGD)
     if name == "ddp":
         return DDPStrategy()  # Lightning's defaults (25 MiB buckets, no gradient_as_bucket_view)
+    if name == "ddp_powersgd_hook":
+        return PowerSGDHookStrategy()
     if name == "nocomm":
         return NoCommStrategy(bucket_size_mb=bucket_size_mb)
     if name in (
@@ -356,8 +384,8 @@ def make_strategy(name: str, bucket_size_mb: float, world_size: int) -> Strategy
         return ZeroStrategy(stage=3, auto_wrap_policy={Block}, quantized_weights=quantized, quantized_grads=quantized)
     if name in ZERO_CANDIDATES:
         return ZeroStrategy(stage=int(name[4]), bucket_size_mb=bucket_size_mb)  # default grad_sync of the stage
-    if name == "zero2_scratch_reduce_scatter":
-        return ZeroStrategy(stage=2, bucket_size_mb=bucket_size_mb, grad_reduction="reduce_scatter")
+    if name == "zero2_scratch_all_reduce":
+        return ZeroStrategy(stage=2, bucket_size_mb=bucket_size_mb, grad_reduction="all_reduce")
     if name == "fsdp2":
         # Pure data parallelism on a (N, 1) mesh: the "auto" sizes would make it tensor-parallel within a node, and
         # the DistributedSampler (sized by the data-parallel dimension) would give every rank the same batches.

@@ -24,6 +24,7 @@ collective of the default group), so the first hierarchical call must be made by
 
 from __future__ import annotations
 
+import atexit
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -37,6 +38,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_zero.comm.groups import torch_reduce_op
+from lightning_zero.comm.link_model import LAB_LINK_MODEL, LinkModel, choose_all_reduce
 
 REDUCE_OPS = ("sum", "avg", "mean", "max", "min")
 """The ops the hierarchy can split into stages (a product would too, but nothing here needs one)."""
@@ -140,6 +142,18 @@ class NodeGroups:
 _CURRENT: list[tuple[Any, int, NodeGroups]] = []  # (the default group, ranks per node, its groups): at most one
 
 
+def release() -> None:
+    """Stop the hierarchy's worker and drop its groups. Run at exit: a gloo group whose last reference goes during
+    the interpreter's finalization can abort the process ("terminate called without an active exception", seen once
+    in ``tests/netlab/test_lab.py``'s check after ``destroy_process_group``), so the references go while it is alive."""
+    for _, _, old in _CURRENT:
+        old.close()
+    _CURRENT.clear()
+
+
+atexit.register(release)
+
+
 def node_groups(ranks_per_node: int | None = None) -> NodeGroups:
     """The node groups of the current default process group with nodes of ``ranks_per_node`` ranks (default:
     ``LOCAL_WORLD_SIZE``, else one node), created on first use (a collective: every rank)."""
@@ -148,9 +162,7 @@ def node_groups(ranks_per_node: int | None = None) -> NodeGroups:
         ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
     if _CURRENT and _CURRENT[0][0] is world and _CURRENT[0][1] == ranks_per_node:
         return _CURRENT[0][2]
-    for _, _, old in _CURRENT:  # of a destroyed default group, or another layout
-        old.close()
-    _CURRENT.clear()
+    release()  # the groups of a destroyed default group, or of another layout
     groups = NodeGroups(ranks_per_node)
     _CURRENT.append((world, ranks_per_node, groups))
     return groups
@@ -169,25 +181,30 @@ def launch(tensor: Tensor, op: str, group: Any = None, ranks_per_node: int | Non
 ALGORITHM_SETTINGS = ("auto", "native", "ring", "hierarchical")
 """The values of a strategy's ``all_reduce_algorithm``."""
 
-HIERARCHICAL_MIN_BYTES = 2**20
-"""``"auto"`` uses the hierarchy for buckets of at least this many bytes. Measured on the network lab (2 nodes x 2
-ranks, 1 Gbit/s between nodes, ``benchmarks/ring_allreduce.py --hierarchical``, docs/benchmarks.md): the hierarchy
-took 0.71-0.78 x gloo's time from 1 MiB to 256 MiB, and 2.95 x at 64 KiB, where its three stages' latency dominates."""
-
 
 def check_algorithm(value: Any) -> None:
     if value not in ALGORITHM_SETTINGS:
         raise ValueError(f"all_reduce_algorithm={value!r} is invalid: expected one of {ALGORITHM_SETTINGS}")
 
 
-def bucket_algorithm(setting: str, nbytes: int, *, backend: str, world_size: int, ranks_per_node: int) -> str:
+def bucket_algorithm(
+    setting: str,
+    nbytes: int,
+    *,
+    backend: str,
+    world_size: int,
+    ranks_per_node: int,
+    link_model: LinkModel | None = None,
+) -> str:
     """The all-reduce algorithm of one gradient bucket of ``nbytes`` under ``all_reduce_algorithm=setting``.
 
-    ``"auto"``: the hierarchy on gloo when the job spans several nodes of several ranks each and the bucket is at
-    least :data:`HIERARCHICAL_MIN_BYTES`; otherwise the backend's own (NCCL's rings and trees know the topology)."""
+    ``"auto"``: on gloo, what :func:`~lightning_zero.comm.link_model.choose_all_reduce` picks under ``link_model``
+    (default :data:`~lightning_zero.comm.link_model.LAB_LINK_MODEL`): the hierarchy where the job spans several nodes
+    of several ranks each and the bucket is large enough to repay its three stages. Otherwise the backend's own (NCCL's
+    rings and trees know the topology)."""
     if setting != "auto":
         return setting
-    several_nodes_of_several = 1 < ranks_per_node < world_size
-    if backend == "gloo" and several_nodes_of_several and nbytes >= HIERARCHICAL_MIN_BYTES:
-        return "hierarchical"
-    return "native"
+    if backend != "gloo":
+        return "native"
+    model = LAB_LINK_MODEL if link_model is None else link_model
+    return choose_all_reduce(model, nbytes, world_size=world_size, ranks_per_node=ranks_per_node)

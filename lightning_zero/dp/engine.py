@@ -33,6 +33,7 @@ from torch.optim import Optimizer
 
 from lightning_zero.comm import collectives as comm
 from lightning_zero.comm.hierarchy import bucket_algorithm
+from lightning_zero.comm.link_model import LinkModel
 from lightning_zero.comm.powersgd import CHECKPOINT_KEY, PowerSGDCompressor
 from lightning_zero.comm.powersgd_config import PowerSGDConfig
 from lightning_zero.dp.reducer import GradientReducer
@@ -52,6 +53,7 @@ class DataParallelEngine:
         all_reduce_algorithm: the buckets' all-reduce: ``"auto"`` (:func:`~lightning_zero.comm.hierarchy.
             bucket_algorithm`), ``"native"``, ``"ring"`` or ``"hierarchical"``.
         ranks_per_node: the job's processes per node (the hierarchy's nodes).
+        link_model: what ``"auto"`` chooses from (``None``: the network lab's).
         find_unused_parameters: see :class:`~lightning_zero.dp.reducer.GradientReducer`.
         compression: PowerSGD's settings, or ``None`` for the plain all-reduce.
     """
@@ -67,9 +69,11 @@ class DataParallelEngine:
         first_bucket_cap_bytes: int | None = None,
         all_reduce_algorithm: str = "native",
         ranks_per_node: int = 1,
+        link_model: LinkModel | None = None,
     ) -> None:
         self.module, self.policy = module, policy
         self.all_reduce_algorithm, self.ranks_per_node = all_reduce_algorithm, ranks_per_node
+        self.link_model = link_model
         self.bucket_cap_bytes, self.find_unused_parameters = bucket_cap_bytes, find_unused_parameters
         self.first_bucket_cap_bytes = first_bucket_cap_bytes
         self.compressor = PowerSGDCompressor(compression) if compression is not None else None
@@ -121,6 +125,7 @@ class DataParallelEngine:
             backend=comm.backend(),
             world_size=comm.world_size(),
             ranks_per_node=self.ranks_per_node,
+            link_model=self.link_model,
         )
         return {"algorithm": algorithm, "ranks_per_node": self.ranks_per_node}
 

@@ -26,6 +26,7 @@ from typing_extensions import override
 
 from lightning_zero.comm.bucketing import DEFAULT_BUCKET_SIZE_MB, first_bucket_cap_bytes
 from lightning_zero.comm.hierarchy import check_algorithm
+from lightning_zero.comm.link_model import resolve_link_model
 from lightning_zero.comm.powersgd import CHECKPOINT_KEY
 from lightning_zero.comm.powersgd_config import compression_config
 from lightning_zero.dp.engine import DataParallelEngine
@@ -40,8 +41,11 @@ class ScratchDDPStrategy(ScratchFabricStrategy):
         bucket_size_mb: cap of one gradient bucket in MiB (> 0).
         all_reduce_algorithm: ``"auto"`` (default), ``"native"``, ``"ring"`` or ``"hierarchical"``: how the buckets
             are all-reduced. ``"auto"`` takes the hierarchical all-reduce ([Note: hierarchical all-reduce] in
-            ``lightning_zero/comm/hierarchy.py``) for buckets of 1 MiB and more on gloo when the job spans several nodes
-            of several processes each (measured faster there), else the backend's own.
+            ``lightning_zero/comm/hierarchy.py``) on gloo for the buckets the link model puts it faster for, when the
+            job spans several nodes of several processes each, else the backend's own.
+        link_model: the network's levels for ``"auto"`` ([Note: link model] in ``lightning_zero/comm/link_model.py``):
+            a mapping of ``inter_node`` (and ``intra_node``) to ``alpha_s`` and ``beta_s_per_byte`` or ``bandwidth``,
+            or the path of a ``lightning-zero-netlab --check --json`` file. ``None`` (default): the network lab's.
         grad_compression: gradient compression (``None`` or ``"powersgd"``), as for the Trainer's
             :class:`~lightning_zero.strategies.ddp.ScratchDDPStrategy`.
         powersgd: PowerSGD's settings, as for the Trainer's strategy.
@@ -57,10 +61,12 @@ class ScratchDDPStrategy(ScratchFabricStrategy):
         grad_compression: str | None = None,
         powersgd: Mapping[str, Any] | None = None,
         all_reduce_algorithm: str = "auto",
+        link_model: Any = None,
         **kwargs: Any,
     ) -> None:
         check_bucket_size(bucket_size_mb)
         check_algorithm(all_reduce_algorithm)
+        self.link_model = resolve_link_model(link_model)
         super().__init__(**kwargs)
         self.bucket_size_mb = bucket_size_mb
         self.all_reduce_algorithm = all_reduce_algorithm
@@ -81,6 +87,7 @@ class ScratchDDPStrategy(ScratchFabricStrategy):
             compression=self.compression,
             all_reduce_algorithm=self.all_reduce_algorithm,
             ranks_per_node=self.num_processes,
+            link_model=self.link_model,
         )
         return module
 

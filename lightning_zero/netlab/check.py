@@ -5,6 +5,10 @@ the link's rate. Then the lab's ranks time every collective of the shim from 4 K
 (:mod:`lightning_zero.netlab.probe`), and each collective gets the α-β model ``seconds = α + β · bytes``
 (:func:`fit_alpha_beta`): α is its latency (what a call costs however small), β its seconds per byte, 1/β the rate it
 reaches on large tensors. The table prints each; ``--json`` writes them with every measured point.
+
+The all-reduces timed inside one node and across the nodes' leaders (``"levels"``) give the link model of the lab
+(``"link_model"``, [Note: link model] in ``lightning_zero/comm/link_model.py``): the path of the JSON file is a valid
+``link_model=`` setting of ``ddp_scratch``, so ``all_reduce_algorithm="auto"`` chooses from what was measured here.
 """
 
 from __future__ import annotations
@@ -18,17 +22,17 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from lightning_zero.comm.link_model import LinkModel, fit_level
+from lightning_zero.comm.rates import format_rate
 from lightning_zero.netlab.lab import LabError
 from lightning_zero.netlab.launch import run_command
-from lightning_zero.netlab.probe import COLLECTIVES
-from lightning_zero.netlab.rates import format_rate
 from lightning_zero.netlab.topology import LabPlan, node_address, node_namespace
 
 STREAM_PORT = 5201
 STREAM_SECONDS = 2.0
 STREAM_BYTES = (4 << 20, 256 << 20)  # at least, at most
 BANDWIDTH_POINTS = 3  # the largest sizes, that fit β
-LATENCY_POINTS = 2  # the smallest sizes, that give α
+LATENCY_POINTS = 4  # the smallest sizes (4 KiB to 256 KiB), that give α: the median keeps one slow call out of it
 
 
 def stream_bytes(bits_per_second: float | None) -> int:
@@ -85,22 +89,15 @@ def run_check(plan: LabPlan, largest: int, json_path: Path | None = None) -> dic
         if code != 0:
             raise LabError(f"the collectives probe failed with exit code {code}")
         measured = json.loads(out.read_text())
-    models = {}
-    for name in COLLECTIVES:
-        points = measured["points"][name]
-        alpha, beta = fit_alpha_beta(points)
-        largest_bytes, largest_seconds = points[-1]
-        models[name] = {
-            "alpha_s": alpha,
-            "beta_s_per_byte": beta,
-            "rate_bytes_per_s": largest_bytes / largest_seconds,
-            "points": points,
-        }
+    models = {name: _fit(points) for name, points in measured["points"].items()}
+    levels = {name: {**models.pop(name), "group_size": size} for name, size in measured["group_sizes"].items()}
     results = {
         "plan": {"nodes": plan.nodes, "ranks_per_node": plan.ranks_per_node,
                  "inter_node": format_rate(plan.inter_node), "intra_node": format_rate(plan.intra_node)},
         "links": links,
         "collectives": models,
+        "levels": levels,
+        "link_model": link_model(levels).as_dict() if "inter_node" in levels else None,
     }  # fmt: skip
     print(render(results), flush=True)
     if json_path is not None:
@@ -109,16 +106,47 @@ def run_check(plan: LabPlan, largest: int, json_path: Path | None = None) -> dic
     return results
 
 
+def _fit(points: list[list[float]]) -> dict[str, Any]:
+    alpha, beta = fit_alpha_beta(points)
+    largest_bytes, largest_seconds = points[-1]
+    return {"alpha_s": alpha, "beta_s_per_byte": beta, "rate_bytes_per_s": largest_bytes / largest_seconds,
+            "points": points}  # fmt: skip
+
+
+def link_model(levels: dict[str, dict[str, Any]]) -> LinkModel:
+    """The lab's link model from its level probes' fits (``inter_node`` at least): each all-reduce's α and β spread
+    over the steps and bytes of a ring over its group (:func:`~lightning_zero.comm.link_model.fit_level`)."""
+    link = {
+        name: fit_level(levels[name]["alpha_s"], levels[name]["beta_s_per_byte"], levels[name]["group_size"])
+        for name in ("intra_node", "inter_node")
+        if name in levels
+    }
+    return LinkModel(inter_node=link["inter_node"], intra_node=link.get("intra_node"))
+
+
+LEVEL_TITLES = {"intra_node": "all_reduce inside a node", "inter_node": "all_reduce across nodes (leaders)",
+                "all_reduce_hierarchical": "all_reduce, hierarchical"}  # fmt: skip
+
+
 def render(results: dict[str, Any]) -> str:
-    """The check's two tables, as Markdown."""
+    """The check's tables, as Markdown: the links, the collectives (and level probes), the link model."""
     lines = ["| link | bytes | seconds | rate |", "|---|---:|---:|---:|"]
     for link in results["links"]:
         rate = format_rate(link["rate_bps"]) + "/s" if link["rate_bps"] else "-"
         lines.append(f"| node {link['src']} -> node {link['dst']} | {link['bytes']} | {link['seconds']:.3f} | {rate} |")
     lines += ["", "| collective | α (µs) | β (ns/B) | 1/β (MB/s) | rate at the largest size (MB/s) |",
               "|---|---:|---:|---:|---:|"]  # fmt: skip
-    for name, model in results["collectives"].items():
+    rows = [(name, model) for name, model in results["collectives"].items()]
+    rows += [(f"{LEVEL_TITLES[name]} ({model['group_size']} ranks)", model)
+             for name, model in results.get("levels", {}).items()]  # fmt: skip
+    for name, model in rows:
         inverse = f"{1e-6 / model['beta_s_per_byte']:.1f}" if model["beta_s_per_byte"] > 0 else "-"
         lines.append(f"| {name} | {1e6 * model['alpha_s']:.0f} | {1e9 * model['beta_s_per_byte']:.3f} | {inverse} |"
                      f" {1e-6 * model['rate_bytes_per_s']:.1f} |")  # fmt: skip
+    if results.get("link_model"):
+        lines += ["", "| link model level | α (µs) | β (ns/B) | 1/β (MB/s) |", "|---|---:|---:|---:|"]
+        for name, link in results["link_model"].items():
+            beta = link["beta_s_per_byte"]
+            inverse = f"{1e-6 / beta:.1f}" if beta > 0 else "-"
+            lines.append(f"| {name} | {1e6 * link['alpha_s']:.0f} | {1e9 * beta:.3f} | {inverse} |")
     return "\n".join(lines)

@@ -27,9 +27,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
 
+from lightning_zero.comm.rates import FORMS, parse_rate
 from lightning_zero.netlab.lab import LabError, NetLab, cleanup
 from lightning_zero.netlab.launch import DEFAULT_PORT, run_command
-from lightning_zero.netlab.rates import FORMS, parse_rate, parse_size
+from lightning_zero.netlab.rates import parse_size
 from lightning_zero.netlab.topology import MAX_NODES, LabPlan
 
 

@@ -15,6 +15,7 @@ call starts after a barrier and its time is the slowest rank's; the first call o
 from __future__ import annotations
 
 import json
+import os
 import socket
 import statistics
 import sys
@@ -25,8 +26,13 @@ import torch
 import torch.distributed as dist
 
 from lightning_zero.comm import collectives as comm
+from lightning_zero.comm import hierarchy
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
+LEVEL_PROBES = ("intra_node", "inter_node", "all_reduce_hierarchical")
+"""Measured where the lab has them: the all-reduce inside one node (over its ranks), across the nodes (over their
+leaders, one rank per node), and the shim's hierarchical all-reduce over the world; the first two give the link
+model's levels (:func:`lightning_zero.netlab.check.link_model`)."""
 SMALLEST = 4 << 10
 
 
@@ -88,34 +94,66 @@ def _operation(name: str, nbytes: int, world: int) -> Callable[[], object]:
     raise ValueError(f"collective={name!r} is invalid: expected one of {COLLECTIVES}")
 
 
+def _level_operation(name: str, nbytes: int) -> tuple[Callable[[], object] | None, int]:
+    """A level probe's call on this rank (``None`` where this rank takes no part: a non-leader across the nodes) and
+    the size of the group it runs over; ``None, 0`` where the lab lacks the level."""
+    world, per_node = dist.get_world_size(), int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    nodes = world // per_node
+    full = torch.ones(max(1, nbytes // 4))
+    if name == "all_reduce_hierarchical":
+        if per_node == 1 or nodes == 1:
+            return None, 0
+        return (lambda: comm.all_reduce(full, "avg", tag="netlab", algorithm="hierarchical")), world
+    if (name == "intra_node" and per_node == 1) or (name == "inter_node" and nodes == 1):
+        return None, 0
+    if per_node == 1:  # one rank per node: the world is the leaders' group
+        return (lambda: comm.all_reduce(full, tag="netlab")), world
+    groups = hierarchy.node_groups(per_node)
+    group = groups.node_group if name == "intra_node" else groups.leaders_group
+    if group is None:
+        return None, nodes
+    return (lambda: comm.all_reduce(full, group=group, tag="netlab")), per_node if name == "intra_node" else nodes
+
+
 def collectives(out: str, largest: int) -> None:
-    """Time every collective at every size up to ``largest`` bytes; rank 0 writes ``{name: [[bytes, s], ...]}``."""
+    """Time every collective (and every level probe the lab has) at every size up to ``largest`` bytes; rank 0 writes
+    ``{"points": {name: [[bytes, s], ...]}, "group_sizes": {level probe: ranks}}``."""
     dist.init_process_group("gloo")
     world = dist.get_world_size()
-    local: list[float] = []  # every timed call in order, this rank's seconds
+    local: list[float] = []  # every timed call in order, this rank's seconds (0 where it takes no part)
     plan = []  # (name, bytes, calls), the same on every rank
-    for name in COLLECTIVES:
+    group_sizes: dict[str, int] = {}
+    hierarchy.node_groups(int(os.environ.get("LOCAL_WORLD_SIZE", world)))  # a collective: every rank, first
+    for name in COLLECTIVES + LEVEL_PROBES:
         for k, nbytes in enumerate(sizes(largest)):
-            run = _operation(name, nbytes, world)
-            if k == 0:
+            if name in COLLECTIVES:
+                run: Callable[[], object] | None = _operation(name, nbytes, world)
+            else:
+                run, group_sizes[name] = _level_operation(name, nbytes)
+                if not group_sizes[name]:
+                    del group_sizes[name]
+                    break
+            if k == 0 and run is not None:
                 run()  # the first call of a collective makes its connections
             calls = repetitions(nbytes)
             for _ in range(calls):
                 dist.barrier()
                 start = time.perf_counter()
-                run()
-                local.append(time.perf_counter() - start)
+                if run is not None:
+                    run()
+                local.append(time.perf_counter() - start if run is not None else 0.0)
             plan.append((name, nbytes, calls))
     slowest = torch.tensor(local, dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     if dist.get_rank() == 0:
-        points: dict[str, list[list[float]]] = {name: [] for name in COLLECTIVES}
+        points: dict[str, list[list[float]]] = {name: [] for name, _, _ in plan}
         at = 0
         for name, nbytes, calls in plan:
             points[name].append([nbytes, statistics.median(slowest[at : at + calls].tolist())])
             at += calls
         with open(out, "w") as file:
-            json.dump({"world_size": world, "points": points}, file)
+            json.dump({"world_size": world, "points": points, "group_sizes": group_sizes}, file)
+    hierarchy.release()  # before the groups are destroyed: none of them may outlive the interpreter
     dist.destroy_process_group()
 
 

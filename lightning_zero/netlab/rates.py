@@ -1,7 +1,5 @@
-"""Link rates and message sizes as the lab's command line takes them, and the token buckets ``tc tbf`` needs (pure).
-
-A rate is a number with one of tc's decimal units (``100mbit``, ``1gbit``, ``2.5gbit``, ``800kbit``) or
-``unlimited`` (no shaping). tc reads ``mbit`` as 10**6 bit/s, as here.
+"""Message sizes as the lab's command line takes them, and the token buckets ``tc tbf`` needs (pure). Rates are
+parsed by :mod:`lightning_zero.comm.rates`.
 
 [Note: tbf burst] A token bucket releases at most ``burst`` bytes at once. It must hold at least one whole packet of
 the interface (its MTU plus the link-layer header): a smaller bucket never fills enough to send a full packet and
@@ -16,28 +14,12 @@ from __future__ import annotations
 import math
 import re
 
-UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
-UNLIMITED = "unlimited"
-FORMS = "a number and a unit of bit, kbit, mbit, gbit or tbit (100mbit, 1gbit, 2.5gbit), or unlimited"
-
 ETHERNET_HEADER = 14  # bytes a veth adds to each IP packet
 BURST_PACKETS = 2
 BURST_SECONDS = 1e-3
 
 SIZE_UNITS = {"b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 _SIZE = re.compile(r"(\d+)(b|kib|mib|gib)")
-_RATE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(bit|kbit|mbit|gbit|tbit)")
-
-
-def parse_rate(setting: str, text: str) -> float | None:
-    """``text`` in bits per second, or ``None`` for ``unlimited``; raises ``ValueError`` naming ``setting``."""
-    value = text.strip().lower()
-    if value == UNLIMITED:
-        return None
-    match = _RATE.fullmatch(value)
-    if match is None or float(match.group(1)) <= 0:
-        raise ValueError(f"{setting}={text!r} is invalid: expected {FORMS}")
-    return float(match.group(1)) * UNITS[match.group(2)]
 
 
 def parse_size(setting: str, text: str) -> int:
@@ -46,16 +28,6 @@ def parse_size(setting: str, text: str) -> int:
     if match is None or int(match.group(1)) <= 0:
         raise ValueError(f"{setting}={text!r} is invalid: expected a whole number and B, KiB, MiB or GiB (256MiB)")
     return int(match.group(1)) * SIZE_UNITS[match.group(2)]
-
-
-def format_rate(bits_per_second: float | None) -> str:
-    """The rate as tc prints it (``200Mbit``), ``unlimited`` for ``None``."""
-    if bits_per_second is None:
-        return UNLIMITED
-    for unit in ("tbit", "gbit", "mbit", "kbit"):
-        if bits_per_second >= UNITS[unit]:
-            return f"{bits_per_second / UNITS[unit]:g}{unit[0].upper()}{unit[1:]}"
-    return f"{bits_per_second:g}bit"
 
 
 def tbf_burst_bytes(bits_per_second: float, mtu: int) -> int:

@@ -19,7 +19,8 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass
 
-from lightning_zero.netlab.rates import format_rate, tbf_burst_bytes, tbf_command
+from lightning_zero.comm.rates import format_rate
+from lightning_zero.netlab.rates import tbf_burst_bytes, tbf_command
 
 PREFIX = "lzlab"
 HUB = f"{PREFIX}-hub"

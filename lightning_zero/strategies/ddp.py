@@ -37,6 +37,7 @@ from typing_extensions import override
 
 from lightning_zero.comm.bucketing import DEFAULT_BUCKET_SIZE_MB, first_bucket_cap_bytes
 from lightning_zero.comm.hierarchy import check_algorithm
+from lightning_zero.comm.link_model import resolve_link_model
 from lightning_zero.comm.powersgd_config import compression_config
 from lightning_zero.dp.engine import DataParallelEngine
 from lightning_zero.dp.reducer import GradientReducer
@@ -51,8 +52,11 @@ class ScratchDDPStrategy(ScratchParallelStrategy):
         bucket_size_mb: cap of one gradient bucket in MiB (> 0). 25 balances overlap against per-call overhead.
         all_reduce_algorithm: ``"auto"`` (default), ``"native"``, ``"ring"`` or ``"hierarchical"``: how the buckets
             are all-reduced. ``"auto"`` takes the hierarchical all-reduce ([Note: hierarchical all-reduce] in
-            ``lightning_zero/comm/hierarchy.py``) for buckets of 1 MiB and more on gloo when the job spans several nodes
-            of several processes each (measured faster there), else the backend's own.
+            ``lightning_zero/comm/hierarchy.py``) on gloo for the buckets the link model puts it faster for, when the
+            job spans several nodes of several processes each, else the backend's own.
+        link_model: the network's levels for ``"auto"`` ([Note: link model] in ``lightning_zero/comm/link_model.py``):
+            a mapping of ``inter_node`` (and ``intra_node``) to ``alpha_s`` and ``beta_s_per_byte`` or ``bandwidth``,
+            or the path of a ``lightning-zero-netlab --check --json`` file. ``None`` (default): the network lab's.
         grad_compression: ``None`` (the plain average) or ``"powersgd"``.
         powersgd: PowerSGD's options (:class:`~lightning_zero.comm.powersgd_config.PowerSGDConfig`: ``rank``,
             ``start_iter``, ``min_compression_rate``, ``warm_start``, ``error_feedback``, ``seed``,
@@ -71,10 +75,12 @@ class ScratchDDPStrategy(ScratchParallelStrategy):
         grad_compression: str | None = None,
         powersgd: Mapping[str, Any] | None = None,
         all_reduce_algorithm: str = "auto",
+        link_model: Any = None,
         **kwargs: Any,
     ) -> None:
         check_bucket_size(bucket_size_mb)
         check_algorithm(all_reduce_algorithm)
+        self.link_model = resolve_link_model(link_model)
         super().__init__(**kwargs)
         self.bucket_size_mb = bucket_size_mb
         self.all_reduce_algorithm = all_reduce_algorithm
@@ -116,6 +122,7 @@ class ScratchDDPStrategy(ScratchParallelStrategy):
                 compression=self.compression,
                 all_reduce_algorithm=self.all_reduce_algorithm,
                 ranks_per_node=self.num_processes,
+                link_model=self.link_model,
             )
             self._record_trainable()
             self.setup_optimizers(trainer)

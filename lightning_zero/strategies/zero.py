@@ -107,7 +107,7 @@ class ZeroStrategy(ZeroGuards):
         grad_reduction: stages 1 and 2: how gradient buckets are averaged: ``"all_reduce"`` (every rank receives
             the whole bucket), ``"reduce_scatter"`` (each piece reduced into the rank that owns it, about DDP's bytes
             per step; stage 2, or stage 1 with ``grad_sync="microbatch"``) or ``"auto"`` (default:
-            ``"reduce_scatter"`` on NCCL where it applies, else ``"all_reduce"``, the faster on gloo). See
+            ``"reduce_scatter"`` where it applies, else ``"all_reduce"``: half the latency and bytes on any link). See
             [Note: gradient reduction] in ``lightning_zero/zero/stage12_reduction.py``.
         elementwise_optimizers: optimizer classes (or their import paths) to shard although they are not ``torch.optim``
             optimizers ZeRO knows: declare only those whose update of each element depends on that element alone.

@@ -20,6 +20,7 @@ from typing import Any, Optional, cast
 from omegaconf import MISSING
 
 from lightning_zero.comm.hierarchy import check_algorithm
+from lightning_zero.comm.link_model import resolve_link_model
 from lightning_zero.comm.powersgd_config import compression_config
 from lightning_zero.comm.watchdog import DEFAULT_TIMEOUT as DEFAULT_COLLECTIVE_TIMEOUT
 from lightning_zero.comm.watchdog import check_timeout
@@ -132,6 +133,7 @@ class ScratchDDPStrategyConf(_DataParallelConf):
     grad_compression: Optional[str] = None
     powersgd: dict[str, Any] = field(default_factory=dict)
     all_reduce_algorithm: str = "auto"
+    link_model: Any = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -139,6 +141,7 @@ class ScratchDDPStrategyConf(_DataParallelConf):
         with as_config_error():
             compression_config(self.grad_compression, self.powersgd, reduce_dtype=self.reduce_dtype)
             check_algorithm(self.all_reduce_algorithm)
+            resolve_link_model(self.link_model)
 
 
 @dataclass

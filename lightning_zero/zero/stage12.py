@@ -109,7 +109,7 @@ class ShardedOptimizer:
         self.stage, self.grad_sync, self.group, self.optimizers = stage, grad_sync, group, optimizers
         self.persistent = stage == 1 and grad_sync == "boundary"
         self.replicate_group = replicate_group
-        self.grad_reduction = resolve_grad_reduction(grad_reduction, stage, grad_sync, self.persistent, group)
+        self.grad_reduction = resolve_grad_reduction(grad_reduction, stage, grad_sync, self.persistent)
         self.world_size, self.rank = comm.world_size(group), comm.rank(group)
 
         order = {id(p): i for i, p in enumerate(module.parameters())}

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_zero.netlab.check import fit_alpha_beta, render, stream_bytes
+from lightning_zero.comm.link_model import Link, LinkModel, ring_all_reduce_seconds
+from lightning_zero.netlab.check import fit_alpha_beta, link_model, render, stream_bytes
 from lightning_zero.netlab.probe import COLLECTIVES, repetitions, sizes
 from lightning_zero.netlab.rates import parse_size
 
@@ -31,9 +32,11 @@ def test_the_fit_recovers_a_link_model(alpha: float, beta: float) -> None:
 def test_the_fit_keeps_latency_out_of_the_bandwidth_and_noise_out_of_both() -> None:
     beta = 4e-8
     points = [[b, 1e-4 + beta * b] for b in sizes(64 << 20)]
-    points[0][1] += 3e-3  # one slow small call (a delayed ACK): α moves to the median of the two smallest, β not at all
+    points[0][1] += 3e-3  # one slow small call (a delayed ACK): the median of the four smallest keeps it out of α
     alpha, fitted_beta = fit_alpha_beta(points)
-    assert fitted_beta == pytest.approx(beta, rel=1e-9) and alpha == pytest.approx(1e-4 + 1.5e-3, rel=1e-6)
+    assert fitted_beta == pytest.approx(beta, rel=1e-9) and alpha == pytest.approx(1e-4, rel=1e-6)
+    points[1][1] += 3e-3  # two of four: α moves halfway
+    assert fit_alpha_beta(points)[0] == pytest.approx(1e-4 + 1.5e-3, rel=1e-6)
     with pytest.raises(ValueError, match="at least 2 sizes: got 1"):
         fit_alpha_beta(points[:1])
 
@@ -48,6 +51,30 @@ def test_render_has_a_row_per_link_and_per_collective() -> None:
     assert "| node 0 -> node 1 | 50000000 | 2.090 | 191.4Mbit/s |" in table
     assert "| all_reduce | 100 | 40.000 | 25.0 | 24.0 |" in table
     assert sum(line.startswith("| ") and line.split(" |")[0][2:] in COLLECTIVES for line in table) == 5
+
+
+def test_the_level_probes_give_the_link_model_each_all_reduce_was_timed_on() -> None:
+    """A 2-rank all-reduce inside a node and across the leaders, each fitted as α + β B, give links whose ring
+    all-reduce over that group predicts the fitted times again; rendered as rows and a table of their own."""
+    timed = {
+        "intra_node": (3.6e-3, 1.1e-9, 2),
+        "inter_node": (2.3e-3, 8.4e-9, 2),
+        "all_reduce_hierarchical": (6e-3, 1e-8, 4),
+    }
+    levels = {
+        name: {"alpha_s": a, "beta_s_per_byte": b, "group_size": n, "rate_bytes_per_s": 1 / b, "points": []}
+        for name, (a, b, n) in timed.items()
+    }
+    model = link_model(levels)
+    assert model == LinkModel(inter_node=Link(1.15e-3, 8.4e-9), intra_node=Link(1.8e-3, 1.1e-9))
+    for name in ("intra_node", "inter_node"):
+        a, b, n = timed[name]
+        assert ring_all_reduce_seconds(getattr(model, name), 1e8, n) == pytest.approx(a + b * 1e8)
+    assert link_model({"inter_node": levels["inter_node"]}).intra_node is None  # a lab of one rank per node
+    table = render({"links": [], "collectives": {}, "levels": levels, "link_model": model.as_dict()}).splitlines()
+    assert "| all_reduce inside a node (2 ranks) | 3600 | 1.100 | 909.1 | 909.1 |" in table
+    assert "| all_reduce, hierarchical (4 ranks) | 6000 | 10.000 | 100.0 | 100.0 |" in table
+    assert "| inter_node | 1150 | 8.400 | 119.0 |" in table
 
 
 @pytest.mark.parametrize(("text", "nbytes"), [("4KiB", 4096), ("256MiB", 256 << 20), ("1GiB", 1 << 30), ("512B", 512)])

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_zero.comm.link_model import resolve_link_model
 from lightning_zero.netlab import lab
 from lightning_zero.netlab.lab import LabError, NetLab, cleanup
 from lightning_zero.netlab.probe import COLLECTIVES, sizes
@@ -194,8 +195,12 @@ def test_check_measures_each_link_and_fits_each_collective(tmp_path: Path, no_la
     for link in results["links"]:  # the line rate less TCP/IP and Ethernet headers (about 4.5% of 1514-byte frames)
         assert 0.85 <= link["rate_bps"] / RATE <= 1.0, link
     assert list(results["collectives"]) == list(COLLECTIVES)
-    for name, model in results["collectives"].items():
+    assert list(results["levels"]) == ["inter_node"]  # one rank per node: no level inside a node, no hierarchy
+    for name, model in {**results["collectives"], **results["levels"]}.items():
         assert [b for b, _ in model["points"]] == sizes(1 << 20), name
         assert model["alpha_s"] >= 0 and model["beta_s_per_byte"] > 0, name
-        assert f"| {name} |" in done.stdout
+        assert f"| {name} |" in done.stdout or name == "inter_node"
+    assert "| all_reduce across nodes (leaders) (2 ranks) |" in done.stdout
+    model = resolve_link_model(str(out))  # the file is a ddp_scratch link_model setting
+    assert model is not None and model.intra_node is None and model.inter_node.beta_s_per_byte > 0
     assert lab_objects() == []

@@ -4,13 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_zero.netlab.rates import (
-    ETHERNET_HEADER,
-    format_rate,
-    parse_rate,
-    tbf_burst_bytes,
-    tbf_command,
-)
+from lightning_zero.comm.rates import format_rate, parse_rate
+from lightning_zero.netlab.rates import ETHERNET_HEADER, tbf_burst_bytes, tbf_command
 
 
 @pytest.mark.parametrize(

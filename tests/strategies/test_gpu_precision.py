@@ -121,7 +121,7 @@ def test_matches_a_same_rules_reference_on_cuda(nccl_env, name, precision):
         return run["ledger"].get((op, tag), (0, 0))[1]
 
     psi = run["psi"]
-    reduced = sent("all_reduce", "grads") + sent("reduce_scatter", "grads")
+    reduced = sum(sent(op, "grads") for op in ("all_reduce", "reduce_scatter", "reduce"))  # reduce: to owners
     assert reduced == GPU_STEPS * 4 * psi, (reduced, psi)  # fp32: 4 bytes per gradient element, once per step
     if name in GATHERS_PER_STEP:  # world size 1: nothing to pad
         gathered = sent("all_gather", "params")

@@ -230,9 +230,11 @@ def test_model_state_bytes_follow_the_formula_at_the_group_size(fits, stage):
 @pytest.mark.timeout(1000)
 @pytest.mark.parametrize("stage", [*STAGES, "qwZ+qgZ"])
 def test_communication_per_step_matches_its_theory(fits, stage):
-    """Stages 1 and 2: the whole gradient all-reduced over the 4 ranks, the shards all-gathered in the group of 2.
-    Stage 3: gathers and reduce-scatters in the group of 2 (int8 blocks with qwZ/qgZ), plus one all-reduce of each
-    reduced shard across the replicas: what ``step_nbytes`` computes."""
+    """Stage 1: the whole gradient all-reduced over the 4 ranks, the shards all-gathered in the group of 2. Stage 2
+    (``grad_reduction="auto"``: reduce to owners): each bucket's pieces reduced into their owners in the group of 2,
+    each owned piece all-reduced across the replicas, the shards all-gathered in the group. Stage 3: gathers and
+    reduce-scatters in the group of 2 (int8 blocks with qwZ/qgZ), plus one all-reduce of each reduced shard across
+    the replicas: what ``step_nbytes`` computes."""
     for rank_result in fits:
         probe = rank_result["probe", stage]
         padded_bytes = 4 * probe["padded"]
@@ -242,8 +244,15 @@ def test_communication_per_step_matches_its_theory(fits, stage):
             for op, tag, nbytes in records:
                 if tag in ("params", "grads"):
                     summary[op, tag] = summary.get((op, tag), 0) + nbytes
-            if stage in (1, 2):
+            if stage == 1:
                 assert summary == {("all_reduce", "grads"): padded_bytes, ("all_gather", "params"): padded_bytes}
+                continue
+            if stage == 2:
+                assert summary == {
+                    ("reduce", "grads"): padded_bytes,  # this rank's contribution to every piece of its group
+                    ("all_reduce", "grads"): padded_bytes // SHARD,  # its owned pieces, across the replicas
+                    ("all_gather", "params"): padded_bytes,
+                }
                 continue
             assert summary[("all_reduce", "grads")] == padded_bytes // SHARD  # one fp32 shard per rank
             tagged = {tag: sum(b for (_, t), b in summary.items() if t == tag) for tag in ("params", "grads")}

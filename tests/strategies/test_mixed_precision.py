@@ -46,6 +46,9 @@ EPOCH = STEPS // 2  # batches per rank and epoch: the resume tests checkpoint at
 CLIP = 0.5
 INIT_SCALE = 2.0**10
 STRATEGIES = ("ddp_scratch", "zero1_scratch", "zero2_scratch", "zero3_scratch")
+# How each strategy records its gradient reduction in the ledger: ZeRO-2 (grad_reduction="auto") reduces each bucket
+# piece into its owner, ZeRO-3 reduce-scatters, the others all-reduce.
+REDUCE_OPS = {"zero2_scratch": "reduce", "zero3_scratch": "reduce_scatter"}
 PRECISIONS = ("bf16-mixed", "16-mixed", "bf16-true", "16-true")
 LOW = {"bf16": torch.bfloat16, "16": torch.float16}
 
@@ -432,7 +435,7 @@ def test_parameters_gathered_in_param_dtype_gradients_reduced_in_reduce_dtype(ru
     def sent(key, op, tag):
         return runs[0][key]["ledger"].get((op, tag), (0, 0))[1]
 
-    reduce_op = "reduce_scatter" if name == "zero3_scratch" else "all_reduce"
+    reduce_op = REDUCE_OPS.get(name, "all_reduce")
     fp32, mixed, low = (name, "32-true"), (name, "bf16-mixed"), (name, "bf16-mixed", "reduce_bf16")
     assert sent(fp32, "all_gather", "params") > 0
     assert sent(mixed, "all_gather", "params") == sent(fp32, "all_gather", "params") // 2
@@ -451,7 +454,7 @@ def test_fp32_training_with_bf16_gradient_communication(runs, name):
     from the fp32 run's (the option is applied). Measured: ``ddp_scratch`` 0, ZeRO 6e-6 (their fp32 runs differ from
     the reference by 6e-8, clipping's norm being summed per shard, and such a last-bit difference can move a gradient
     element across a bf16 rounding boundary); 1e-2 from the fp32 run."""
-    reduce_op = "reduce_scatter" if name == "zero3_scratch" else "all_reduce"
+    reduce_op = REDUCE_OPS.get(name, "all_reduce")
     fp32, low = (name, "32-true"), (name, "32-true", "reduce_bf16")
     fp32_bytes = runs[0][fp32]["ledger"][(reduce_op, "grads")][1]
     assert runs[0][low]["ledger"][(reduce_op, "grads")][1] == fp32_bytes // 2 > 0

@@ -118,7 +118,8 @@ class Recorder(L.Callback):
         self.validated: list[int] = []  # ZeRO-3: the bytes left gathered after each validation of the fit
 
     def _counts(self) -> dict[str, int]:
-        return {tag: comm.LEDGER.calls("all_reduce", tag) for tag in self.TAGS} | {
+        # A gradient bucket is all-reduced (one call), or reduced to its owners (one "reduce" per non-empty piece).
+        return {tag: comm.LEDGER.calls("all_reduce", tag) + comm.LEDGER.calls("reduce", tag) for tag in self.TAGS} | {
             "tp bytes": comm.LEDGER.bytes("all_reduce", "tp"),
             "params": comm.LEDGER.calls("all_gather", "params"),
         }
@@ -267,10 +268,13 @@ def test_zero_stages_clip_by_the_one_process_global_norm(zero_stage_fits):
 
 def test_zero_stages_communicate_only_at_the_boundary_or_every_micro_batch(zero_stage_fits):
     """Stage 1 (``grad_sync="boundary"``) reduces nothing over the data-parallel group on non-boundary micro-batches;
-    stage 2 (``"microbatch"``) reduces each. One bucket per param group (25 MiB cap), one all-gather per group."""
+    stage 2 (``"microbatch"``) reduces each. One bucket per param group (25 MiB cap), one all-gather per group. Stage
+    1 all-reduces each bucket into its full gradient; stage 2 (``grad_reduction="auto"``) reduces it to its owners:
+    one piece per data-parallel rank, each holding part of every group's flat."""
+    pieces = 2 * PARAM_GROUPS  # 2 data-parallel replicas
     expected = {
         1: _window([0, PARAM_GROUPS], params=PARAM_GROUPS, data_norm=1),
-        2: _window([PARAM_GROUPS, PARAM_GROUPS], params=PARAM_GROUPS, data_norm=1),
+        2: _window([pieces, pieces], params=PARAM_GROUPS, data_norm=1),
     }
     for stage, window in expected.items():
         for result in zero_stage_fits[stage]:

@@ -157,7 +157,11 @@ def test_communication_per_optimizer_step(fits, stage, grad_sync):
         batches = probe["batches"]
         for batch_idx, records in enumerate(batches):
             boundary = (batch_idx + 1) % g == 0 or batch_idx + 1 == len(batches)
-            grads = sum(b for op, tag, b in records if tag == "grads" and op == "all_reduce")
+            # grad_reduction="auto": each piece reduced into its owner where the buckets are transient (stage 2,
+            # stage 1 with "microbatch"), the whole bucket all-reduced into stage 1's persistent flat gradient
+            expected_op = "all_reduce" if (stage, grad_sync) == (1, "boundary") else "reduce"
+            assert {op for op, tag, _ in records if tag == "grads"} <= {expected_op}
+            grads = sum(b for op, tag, b in records if tag == "grads" and op == expected_op)
             params = sum(b for op, tag, b in records if tag == "params" and op == "all_gather")
             if grad_sync == "boundary":
                 assert grads == (padded_bytes if boundary else 0)

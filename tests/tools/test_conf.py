@@ -31,6 +31,7 @@ from hydra.utils import get_class, instantiate
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, Strategy
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_zero.comm.link_model import Link, LinkModel
 from lightning_zero.demo import CharGPTModule, CharTextDataModule, DigitsDataModule, DigitsMLPModule
 from lightning_zero.demo.digits import load_digits_arrays
 from lightning_zero.tools.config import validate_config
@@ -173,6 +174,22 @@ def test_fsdp_wraps_each_block(compose_cfg) -> None:
     strategy = instantiate(compose_cfg("strategy=fsdp").strategy)
     assert isinstance(strategy, FSDPStrategy)
     assert strategy.kwargs["auto_wrap_policy"]._module_classes == {Block}
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["strategy.link_model={inter_node:{alpha_s:5e-5,bandwidth:10gbit}}"],
+        ["+strategy.link_model.inter_node.alpha_s=5e-5", "+strategy.link_model.inter_node.bandwidth=10gbit"],
+    ],
+)
+def test_ddp_scratch_takes_a_declared_link_model(compose_cfg, overrides: list[str]) -> None:
+    cfg = compose_cfg("strategy=ddp_scratch", *overrides)
+    validate_config(cfg)
+    assert instantiate(cfg.strategy).link_model == LinkModel(inter_node=Link(5e-5, 8e-10))
+    bad = compose_cfg("strategy=ddp_scratch", "strategy.link_model={inter_node:{alpha_s:5e-5}}")
+    with pytest.raises(ConfigError, match=r"link_model.inter_node=.* expected a mapping of alpha_s"):
+        validate_config(bad)
 
 
 def test_fsdp_takes_the_arguments_of_torch_fsdp(compose_cfg) -> None:
