@@ -21,8 +21,8 @@ What ``"auto"`` chooses from it:
 - ``all_reduce_algorithm`` (``ddp_scratch``): on gloo, per bucket, the hierarchy where the job has several nodes of
   several ranks and the model says it is faster than the flat ring (:func:`choose_all_reduce`). NCCL keeps its own
   algorithms, which know the topology. Without a declared model, :data:`LAB_LINK_MODEL` (measured on the lab) decides:
-  it puts the hierarchy ahead at every bucket size (by 14% at 4 KiB, where the lab measured the two within noise of
-  each other, 0.5-1.3 x, and by 15-19% from 1 MiB up, where it measured 0.79-1.03 x).
+  it puts the hierarchy ahead at every bucket size (0.85 x the flat ring's time at 4 KiB, where the lab's checks
+  scattered from 0.74 to 1.25 x, and 0.84-0.85 x from 1 MiB up, where they measured 0.79-1.03 x).
 - ZeRO's ``grad_reduction`` needs no model: reduce to owners costs exactly half the ring all-reduce's latency and
   bandwidth terms, whatever α and β are, so it wins wherever the buckets are transient ([Note: gradient reduction]
   in ``lightning_zero/zero/stage12_reduction.py``).
