@@ -37,7 +37,9 @@ def cli_env(pin_port: bool = True, strip: tuple[str, ...] = ()) -> dict[str, str
     drop = (*_DIST_VARS, *strip)
     env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith(("PL_", "TORCHELASTIC_"))}
     env.pop("MASTER_PORT", None)
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    # PYTHONFAULTHANDLER: a run that hangs is stopped with SIGABRT first (kill_dumping_stacks), and each of its
+    # Python processes then prints every thread's stack into the output the failing test shows.
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1")
     if pin_port:
         env["MASTER_PORT"] = str(free_port())
     return env
@@ -62,6 +64,15 @@ def _session_members(pgid: int, grace: float = 3.0) -> list[str]:
         time.sleep(0.2)
 
 
+def kill_dumping_stacks(pgid: int, grace: float = 5.0) -> None:
+    """Stop session ``pgid`` that hung: SIGABRT first, so that each Python process started with :func:`cli_env`'s
+    ``PYTHONFAULTHANDLER`` prints its threads' stacks, then SIGKILL whatever is left after ``grace`` seconds."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGABRT)
+        time.sleep(grace)
+        os.killpg(pgid, signal.SIGKILL)
+
+
 def run_command(cmd: list[str], cwd: Path, timeout: float, env: dict[str, str]) -> CliRun:
     """Run ``cmd`` in ``cwd`` in its own session; fails the test if it runs past ``timeout`` seconds."""
     proc = subprocess.Popen(
@@ -76,8 +87,7 @@ def run_command(cmd: list[str], cwd: Path, timeout: float, env: dict[str, str]) 
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
+        kill_dumping_stacks(proc.pid)
         out, _ = proc.communicate()
         pytest.fail(f"{' '.join(cmd)} ran past {timeout} s:\n{out[-6000:]}")
     leftover = _session_members(proc.pid)

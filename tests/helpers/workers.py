@@ -19,6 +19,7 @@ from __future__ import annotations
 import io
 import os
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -53,7 +54,20 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
         queue.put((rank, "error", traceback.format_exc()))
     finally:
         if torch.distributed.is_initialized():
+            _leave_together(world_size)
             torch.distributed.destroy_process_group()
+
+
+def _leave_together(world_size: int, timeout: float = 30) -> None:
+    """Wait until every rank is done before any exits. Rank 0 hosts the rendezvous store: a rank 0 that exits while
+    a peer still reads the store (the peer's last ``new_group`` exchanging addresses) fails that peer with "Gloo
+    connectFullMesh failed ... Connection closed by peer". A count in the store, not a barrier: a test may leave the
+    process group broken on purpose (a peer timed out), and the store still works then."""
+    store = torch.distributed.distributed_c10d._get_default_store()
+    store.add("tests.helpers.workers/done", 1)
+    deadline = time.monotonic() + timeout
+    while store.add("tests.helpers.workers/done", 0) < world_size and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 PRELOAD = ["torch", "torch.distributed", "lightning", "lightning.pytorch", "lightning_zero", __name__]
