@@ -175,7 +175,7 @@ class SignedTransport:
         self.timeout_s, self.max_message_bytes = float(timeout_s), int(max_message_bytes)
         self._key = ed25519.Ed25519PrivateKey.generate()
         self._cond = threading.Condition()
-        self._inbox: dict[tuple[int, int, int], bytes] = {}
+        self._inbox: dict[tuple[int, int, int], tuple[bytes, Evidence]] = {}
         self._seen: dict[tuple[int, int, int], Evidence] = {}
         self._gone: dict[int, str] = {}
         self._proofs: dict[int, tuple[Evidence, Evidence]] = {}
@@ -243,13 +243,35 @@ class SignedTransport:
                 if peer in self._proofs:
                     raise PeerMisbehaved(peer, self._proofs[peer])
                 if key in self._inbox:
-                    return self._inbox.pop(key)
+                    return self._inbox.pop(key)[0]
                 if peer in self._gone:
                     raise PeerGone(peer, self._gone[peer])
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise PeerTimeout(peer, step, phase, waited)
                 self._cond.wait(remaining)
+
+    def take(self, step: int, phases: range, timeout: float) -> list[tuple[int, int, bytes, Evidence]]:
+        """Every message for ``step`` whose phase is in ``phases``, as ``(sender, phase, payload, evidence)``, taken
+        out of the inbox: at once if there are any, else the first that arrive within ``timeout`` seconds (``[]``
+        then). For protocols that wait for messages of several kinds from anyone (the agreement's votes); the
+        senders proven to equivocate or gone are in :attr:`proofs` and :attr:`gone`."""
+        deadline = time.monotonic() + max(timeout, 0.0)
+        with self._cond:
+            while True:
+                keys = [k for k in self._inbox if k[1] == step and k[2] in phases]
+                if keys:
+                    return [(k[0], k[2], *self._inbox.pop(k)) for k in sorted(keys)]
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return []
+                self._cond.wait(remaining)
+
+    def sign_own(self, step: int, phase: int, payload: bytes) -> Evidence:
+        """This rank's signed claim of ``payload`` for ``(step, phase)``, as a peer would hold it: a vote counts its
+        own signature in a certificate."""
+        frame = sign_frame(self._key, self.rank, self.rank, step, phase, bytes(payload))
+        return Evidence(frame[: HEADER.size], hashlib.sha256(payload).digest(), frame[-SIGNATURE_BYTES:])
 
     def forget_before(self, step: int) -> None:
         """Drop what is kept for steps below ``step``; frames for them are replays from now on."""
@@ -347,7 +369,7 @@ class SignedTransport:
             elif earlier is not None:
                 self._proofs.setdefault(sender, (earlier, evidence))
             else:
-                self._seen[key], self._inbox[key] = evidence, payload
+                self._seen[key], self._inbox[key] = evidence, (payload, evidence)
             self._cond.notify_all()
 
     # ------------------------------------------------------------------------------------------------ teardown

@@ -1,0 +1,195 @@
+"""lightning_zero.byzantine.agreement: PBFT per step among threads of one process, each member with its own signed
+TCP transport; a faulty member is real code that rewrites, withholds or forges what it sends."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+
+from lightning_zero.byzantine import wire
+from lightning_zero.byzantine.agreement import (
+    COMMIT,
+    PRE_PREPARE,
+    PREPARE,
+    VIEW_CHANGE,
+    Agreement,
+    Certificate,
+    NoAgreement,
+    view_phase,
+)
+from lightning_zero.byzantine.membership import Membership
+from lightning_zero.comm.signed import SignedTransport, verify_evidence
+
+pytest.importorskip("cryptography")
+TIMEOUT = 0.5  # the first view's deadline: far above a thread's message delay here, short enough for tests
+
+Rewrite = Callable[["Twisted", int, int, bytes], "bytes | None"]
+
+
+class Twisted:
+    """A faulty member's transport: ``rewrite(self, peer, phase, payload)`` replaces what it sends (``None``:
+    withheld); ``self.sign_own`` signs what it forges."""
+
+    def __init__(self, inner: SignedTransport, rewrite: Rewrite) -> None:
+        self.inner, self.rewrite = inner, rewrite
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def send(self, peer: int, step: int, phase: int, payload: bytes, tag: str = "") -> None:
+        out = self.rewrite(self, peer, phase, payload)
+        if out is not None:
+            self.inner.send(peer, step, phase, out, tag=tag)
+
+
+def silent(link: Twisted, peer: int, phase: int, payload: bytes) -> None:
+    return None
+
+
+def run_members(n: int, f: int, steps: int = 1, faulty: dict[int, Rewrite] | None = None) -> dict[Any, Any]:
+    """Every member decides steps ``0 .. steps - 1``, proposing ``b"value of <rank>"``. Returns ``{rank: decisions,
+    or the error raised}``, ``{("misbehaviour", rank): ...}`` and ``"keys"``, the public keys."""
+    store, faulty = dist.HashStore(), faulty or {}
+    members = Membership.of(n, f)
+    out: dict[Any, Any] = {}
+
+    def member(rank: int) -> None:
+        transport = SignedTransport(rank, n, store, timeout_s=10.0)
+        out["keys"] = transport.public_keys
+        try:
+            link = Twisted(transport, faulty[rank]) if rank in faulty else transport
+            agreement = Agreement(link, members, timeout_s=TIMEOUT)
+            propose = lambda: f"value of {rank}".encode()  # noqa: E731
+            out[rank] = [agreement.decide(s, propose, lambda value: None) for s in range(steps)]
+            out[("misbehaviour", rank)] = agreement.misbehaviour
+        except Exception as err:  # what the test inspects
+            out[rank] = err
+        finally:
+            time.sleep(3.0)  # members that decided stay reachable while the others finish
+            transport.close()
+
+    threads = [threading.Thread(target=member, args=(r,), daemon=True) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "a member never returned"
+    return out
+
+
+def decided(out: dict[Any, Any], honest: list[int]) -> list[list[bytes]]:
+    """Each honest member's decided values, by step (fails on a member that raised)."""
+    for r in honest:
+        assert isinstance(out[r], list), (r, out[r])
+    return [[d.value for d in out[r]] for r in honest]
+
+
+def test_without_faults_every_member_decides_the_leaders_value_with_a_certificate_anyone_can_check():
+    out = run_members(4, 1, steps=4)
+    values = decided(out, [0, 1, 2, 3])
+    assert all(v == [b"value of 0", b"value of 1", b"value of 2", b"value of 3"] for v in values)  # leader rotates
+    for rank in range(4):
+        for step, decision in enumerate(out[rank]):
+            cert = decision.certificate
+            assert (decision.view, cert.kind) == (0, COMMIT)
+            signers = {e.fields[0] for e in cert.votes if verify_evidence(out["keys"][e.fields[0]], e)}
+            assert len(signers) >= Membership.of(4, 1).quorum
+            for e in cert.votes:  # each a commit of this step and view for sha256(value)
+                assert e.fields[2:4] == (step, view_phase(0, COMMIT))
+                assert e.digest == wire.sha256(wire.sha256(decision.value))
+    assert not any(out[("misbehaviour", r)] for r in range(4))
+
+
+def test_a_silent_leader_is_replaced_by_a_view_change():
+    start = time.monotonic()
+    out = run_members(4, 1, steps=2, faulty={1: silent})  # rank 1 leads step 1's view 0
+    values = decided(out, [0, 2, 3])
+    assert values == [[b"value of 0", b"value of 2"]] * 3  # step 1: view 1's leader, rank 2
+    assert [out[r][1].view for r in (0, 2, 3)] == [1, 1, 1]
+    assert time.monotonic() - start < 60
+
+
+def _equivocating_leader(group_b: set[int], vote_both: bool = True) -> Rewrite:
+    """As step 0's leader: value A to most members, value B to ``group_b``; its votes follow what each peer got."""
+
+    def rewrite(link: Twisted, peer: int, phase: int, payload: bytes) -> bytes | None:
+        if peer not in group_b:
+            return payload
+        if phase == view_phase(0, PRE_PREPARE):
+            return wire.pack([b"B"])
+        if phase in (view_phase(0, PREPARE), view_phase(0, COMMIT)) and vote_both:
+            return wire.sha256(b"B")
+        return payload
+
+    return rewrite
+
+
+@pytest.mark.parametrize(("n", "f", "faulty", "group_b"), [(4, 1, {0}, {3}), (7, 2, {0, 1}, {5, 6})])
+def test_an_equivocating_leader_and_its_accomplices_never_split_the_honest_members(n, f, faulty, group_b):
+    out = run_members(n, f, faulty={r: _equivocating_leader(group_b) for r in faulty})
+    honest = [r for r in range(n) if r not in faulty]
+    values = decided(out, honest)
+    assert all(v == values[0] for v in values), values  # safety: one value for the step
+    assert values[0] in ([b"value of 0"], [f"value of {min(honest)}".encode()])
+
+
+def test_malformed_votes_are_kept_as_proof_of_their_signer_and_the_step_still_decides():
+    def garbage(link: Twisted, peer: int, phase: int, payload: bytes) -> bytes | None:
+        return b"12345" if phase in (view_phase(0, PREPARE), view_phase(0, COMMIT)) else payload
+
+    out = run_members(4, 1, faulty={3: garbage})
+    assert decided(out, [0, 1, 2]) == [[b"value of 0"]] * 3
+    for r in (0, 1, 2):
+        proofs = out[("misbehaviour", r)]
+        assert proofs and {p.rank for p in proofs} == {3}
+        assert "a prepare of 5 bytes" in proofs[0].reason
+        assert verify_evidence(out["keys"][3], proofs[0].evidence)  # signed by rank 3: transferable
+
+
+def test_more_silent_members_than_f_end_in_no_agreement_on_every_honest_member_not_a_hang():
+    start = time.monotonic()
+    out = run_members(4, 1, faulty={0: silent, 1: silent})
+    for r in (2, 3):
+        assert isinstance(out[r], NoAgreement), out[r]
+        assert "reached no agreement on step 0 in 4 views (4 members, f=1" in str(out[r])
+    assert time.monotonic() - start < 30  # 0.5 s x (1 + 2 + 3 + 4) and the teardown
+
+
+def test_a_forged_certificate_in_a_view_change_is_refused_and_kept_as_proof():
+    """Rank 0 leads view 0 and sends nothing, then claims in its view change a prepared value whose votes it signed
+    alone. View 1's leader (rank 1) must not count it: it proposes its own value."""
+
+    def forger(link: Twisted, peer: int, phase: int, payload: bytes) -> bytes | None:
+        if phase in range(view_phase(0, PRE_PREPARE), view_phase(1, PRE_PREPARE)):
+            return None
+        if phase != view_phase(1, VIEW_CHANGE):
+            return payload
+        vote = link.sign_own(0, view_phase(0, PREPARE), wire.sha256(b"forged"))
+        return Certificate(0, 0, PREPARE, b"forged", (vote, vote, vote)).encode()
+
+    out = run_members(4, 1, faulty={0: forger})
+    assert decided(out, [1, 2, 3]) == [[b"value of 1"]] * 3
+    for r in (1, 2, 3):
+        assert any(p.rank == 0 and "1 valid votes, fewer than a quorum" in p.reason for p in out[("misbehaviour", r)])
+
+
+def test_a_value_prepared_before_a_view_change_is_the_one_the_next_leader_proposes():
+    """Rank 0 leads view 0 and lets only rank 2 prepare its value A (pre-prepare to ranks 1 and 2, its prepare to
+    rank 2, no commit). No one decides in view 0; rank 2's view change carries A's certificate, and view 1's leader
+    (rank 1) must propose A, not its own value: a value some honest member may have decided on is never replaced."""
+
+    def partial(link: Twisted, peer: int, phase: int, payload: bytes) -> bytes | None:
+        if phase == view_phase(0, PRE_PREPARE):
+            return payload if peer in (1, 2) else None
+        if phase == view_phase(0, PREPARE):
+            return payload if peer == 2 else None
+        return None if phase == view_phase(0, COMMIT) else payload
+
+    out = run_members(4, 1, faulty={0: partial})
+    assert decided(out, [1, 2, 3]) == [[b"value of 0"]] * 3
+    assert [out[r][0].view for r in (1, 2, 3)] == [1, 1, 1]
