@@ -24,12 +24,13 @@ LAYERS = {
     "dp": 2,
     "zero": 3,
     "robust": 4,
-    "strategies": 5,
-    "fabric": 5,
-    "demo": 5,
-    "integrations": 6,
-    "tools": 6,
-    "netlab": 6,
+    "byzantine": 5,
+    "strategies": 6,
+    "fabric": 6,
+    "demo": 6,
+    "integrations": 7,
+    "tools": 7,
+    "netlab": 7,
 }
 ROOT_MAY_IMPORT = {"strategies", "fabric", "training"}
 MAX_LINES = 420  # the guide's "~400 lines"

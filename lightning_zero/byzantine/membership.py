@@ -77,7 +77,7 @@ class Membership:
     @property
     def acceptance(self) -> int:
         """``f + 1``: identical signed results that make a shard result accepted."""
-        return (self.n + self.f + 2) // 2
+        return self.f + 1
 
     def index(self, rank: int) -> int:
         """``rank``'s position among the members."""

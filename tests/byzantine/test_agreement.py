@@ -3,13 +3,10 @@ TCP transport; a faulty member is real code that rewrites, withholds or forges w
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import pytest
-import torch.distributed as dist
 
 from lightning_zero.byzantine import wire
 from lightning_zero.byzantine.agreement import (
@@ -23,62 +20,27 @@ from lightning_zero.byzantine.agreement import (
     view_phase,
 )
 from lightning_zero.byzantine.membership import Membership
-from lightning_zero.comm.signed import SignedTransport, verify_evidence
+from lightning_zero.comm.signed import verify_evidence
+from tests.helpers.byzantine import Rewrite, Twisted, run_members, silent
 
 pytest.importorskip("cryptography")
 TIMEOUT = 0.5  # the first view's deadline: far above a thread's message delay here, short enough for tests
 
-Rewrite = Callable[["Twisted", int, int, bytes], "bytes | None"]
 
-
-class Twisted:
-    """A faulty member's transport: ``rewrite(self, peer, phase, payload)`` replaces what it sends (``None``:
-    withheld); ``self.sign_own`` signs what it forges."""
-
-    def __init__(self, inner: SignedTransport, rewrite: Rewrite) -> None:
-        self.inner, self.rewrite = inner, rewrite
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-    def send(self, peer: int, step: int, phase: int, payload: bytes, tag: str = "") -> None:
-        out = self.rewrite(self, peer, phase, payload)
-        if out is not None:
-            self.inner.send(peer, step, phase, out, tag=tag)
-
-
-def silent(link: Twisted, peer: int, phase: int, payload: bytes) -> None:
-    return None
-
-
-def run_members(n: int, f: int, steps: int = 1, faulty: dict[int, Rewrite] | None = None) -> dict[Any, Any]:
-    """Every member decides steps ``0 .. steps - 1``, proposing ``b"value of <rank>"``. Returns ``{rank: decisions,
-    or the error raised}``, ``{("misbehaviour", rank): ...}`` and ``"keys"``, the public keys."""
-    store, faulty = dist.HashStore(), faulty or {}
+def run_agreement(n: int, f: int, steps: int = 1, faulty: dict[int, Rewrite] | None = None) -> dict[Any, Any]:
+    """Every member decides steps ``0 .. steps - 1``, proposing ``b"value of <rank>"``: ``{rank: (decisions,
+    misbehaviour recorded), or the error raised}``."""
     members = Membership.of(n, f)
-    out: dict[Any, Any] = {}
 
-    def member(rank: int) -> None:
-        transport = SignedTransport(rank, n, store, timeout_s=10.0)
-        out["keys"] = transport.public_keys
-        try:
-            link = Twisted(transport, faulty[rank]) if rank in faulty else transport
-            agreement = Agreement(link, members, timeout_s=TIMEOUT)
-            propose = lambda: f"value of {rank}".encode()  # noqa: E731
-            out[rank] = [agreement.decide(s, propose, lambda value: None) for s in range(steps)]
-            out[("misbehaviour", rank)] = agreement.misbehaviour
-        except Exception as err:  # what the test inspects
-            out[rank] = err
-        finally:
-            time.sleep(3.0)  # members that decided stay reachable while the others finish
-            transport.close()
+    def body(rank: int, link: Any) -> tuple[list, list]:
+        agreement = Agreement(link, members, timeout_s=TIMEOUT)
+        propose = lambda: f"value of {rank}".encode()  # noqa: E731
+        return [agreement.decide(s, propose, lambda value: None) for s in range(steps)], agreement.misbehaviour
 
-    threads = [threading.Thread(target=member, args=(r,), daemon=True) for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    assert not any(t.is_alive() for t in threads), "a member never returned"
+    out = run_members(n, body, faulty or {})
+    for r in range(n):
+        if isinstance(out[r], tuple):
+            out[r], out[("misbehaviour", r)] = out[r]
     return out
 
 
@@ -90,7 +52,7 @@ def decided(out: dict[Any, Any], honest: list[int]) -> list[list[bytes]]:
 
 
 def test_without_faults_every_member_decides_the_leaders_value_with_a_certificate_anyone_can_check():
-    out = run_members(4, 1, steps=4)
+    out = run_agreement(4, 1, steps=4)
     values = decided(out, [0, 1, 2, 3])
     assert all(v == [b"value of 0", b"value of 1", b"value of 2", b"value of 3"] for v in values)  # leader rotates
     for rank in range(4):
@@ -107,7 +69,7 @@ def test_without_faults_every_member_decides_the_leaders_value_with_a_certificat
 
 def test_a_silent_leader_is_replaced_by_a_view_change():
     start = time.monotonic()
-    out = run_members(4, 1, steps=2, faulty={1: silent})  # rank 1 leads step 1's view 0
+    out = run_agreement(4, 1, steps=2, faulty={1: silent})  # rank 1 leads step 1's view 0
     values = decided(out, [0, 2, 3])
     assert values == [[b"value of 0", b"value of 2"]] * 3  # step 1: view 1's leader, rank 2
     assert [out[r][1].view for r in (0, 2, 3)] == [1, 1, 1]
@@ -131,7 +93,7 @@ def _equivocating_leader(group_b: set[int], vote_both: bool = True) -> Rewrite:
 
 @pytest.mark.parametrize(("n", "f", "faulty", "group_b"), [(4, 1, {0}, {3}), (7, 2, {0, 1}, {5, 6})])
 def test_an_equivocating_leader_and_its_accomplices_never_split_the_honest_members(n, f, faulty, group_b):
-    out = run_members(n, f, faulty={r: _equivocating_leader(group_b) for r in faulty})
+    out = run_agreement(n, f, faulty={r: _equivocating_leader(group_b) for r in faulty})
     honest = [r for r in range(n) if r not in faulty]
     values = decided(out, honest)
     assert all(v == values[0] for v in values), values  # safety: one value for the step
@@ -142,7 +104,7 @@ def test_malformed_votes_are_kept_as_proof_of_their_signer_and_the_step_still_de
     def garbage(link: Twisted, peer: int, phase: int, payload: bytes) -> bytes | None:
         return b"12345" if phase in (view_phase(0, PREPARE), view_phase(0, COMMIT)) else payload
 
-    out = run_members(4, 1, faulty={3: garbage})
+    out = run_agreement(4, 1, faulty={3: garbage})
     assert decided(out, [0, 1, 2]) == [[b"value of 0"]] * 3
     for r in (0, 1, 2):
         proofs = out[("misbehaviour", r)]
@@ -153,7 +115,7 @@ def test_malformed_votes_are_kept_as_proof_of_their_signer_and_the_step_still_de
 
 def test_more_silent_members_than_f_end_in_no_agreement_on_every_honest_member_not_a_hang():
     start = time.monotonic()
-    out = run_members(4, 1, faulty={0: silent, 1: silent})
+    out = run_agreement(4, 1, faulty={0: silent, 1: silent})
     for r in (2, 3):
         assert isinstance(out[r], NoAgreement), out[r]
         assert "reached no agreement on step 0 in 4 views (4 members, f=1" in str(out[r])
@@ -172,7 +134,7 @@ def test_a_forged_certificate_in_a_view_change_is_refused_and_kept_as_proof():
         vote = link.sign_own(0, view_phase(0, PREPARE), wire.sha256(b"forged"))
         return Certificate(0, 0, PREPARE, b"forged", (vote, vote, vote)).encode()
 
-    out = run_members(4, 1, faulty={0: forger})
+    out = run_agreement(4, 1, faulty={0: forger})
     assert decided(out, [1, 2, 3]) == [[b"value of 1"]] * 3
     for r in (1, 2, 3):
         assert any(p.rank == 0 and "1 valid votes, fewer than a quorum" in p.reason for p in out[("misbehaviour", r)])
@@ -190,6 +152,6 @@ def test_a_value_prepared_before_a_view_change_is_the_one_the_next_leader_propos
             return payload if peer == 2 else None
         return None if phase == view_phase(0, COMMIT) else payload
 
-    out = run_members(4, 1, faulty={0: partial})
+    out = run_agreement(4, 1, faulty={0: partial})
     assert decided(out, [1, 2, 3]) == [[b"value of 0"]] * 3
     assert [out[r][0].view for r in (1, 2, 3)] == [1, 1, 1]

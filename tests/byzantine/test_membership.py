@@ -17,6 +17,7 @@ def test_two_quorums_share_an_honest_member_and_the_honest_alone_are_a_quorum(n,
     assert 2 * q - n >= f + 1  # safety: the smallest overlap of two quorums holds f + 1 members
     if n == 3 * f + 1:
         assert q == 2 * f + 1
+    assert members.acceptance == f + 1 and members.aggregators_per_shard == 2 * f + 1
 
 
 @pytest.mark.parametrize(("n", "f"), [(4, 1), (7, 2), (9, 2)])

@@ -45,29 +45,38 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
         MASTER_PORT=str(port),
     )
     torch.set_num_threads(1)
+    succeeded = False
     try:
         # Bytes, not tensors: torch would pass tensors through shared memory owned by this process, which exits.
         buffer = io.BytesIO()
         torch.save(fn(*args), buffer)
         queue.put((rank, "ok", buffer.getvalue()))
+        succeeded = True
     except BaseException:
         queue.put((rank, "error", traceback.format_exc()))
     finally:
         if torch.distributed.is_initialized():
-            _leave_together(world_size)
+            _leave_together(world_size, wait=succeeded)
             torch.distributed.destroy_process_group()
 
 
-def _leave_together(world_size: int, timeout: float = 30) -> None:
-    """Wait until every rank is done before any exits. Rank 0 hosts the rendezvous store: a rank 0 that exits while
-    a peer still reads the store (the peer's last ``new_group`` exchanging addresses) fails that peer with "Gloo
-    connectFullMesh failed ... Connection closed by peer". A count in the store, not a barrier: a test may leave the
-    process group broken on purpose (a peer timed out), and the store still works then."""
-    store = torch.distributed.distributed_c10d._get_default_store()
-    store.add("tests.helpers.workers/done", 1)
-    deadline = time.monotonic() + timeout
-    while store.add("tests.helpers.workers/done", 0) < world_size and time.monotonic() < deadline:
-        time.sleep(0.01)
+def _leave_together(world_size: int, wait: bool, timeout: float = 30) -> None:
+    """Count this rank out in the rendezvous store, and (``wait``) stay until every rank is out.
+
+    Rank 0 hosts the store: a rank 0 that exits while a peer still reads it (the peer's last ``new_group``
+    exchanging addresses) fails that peer with "Gloo connectFullMesh failed ... Connection closed by peer". A count in
+    the store, not a barrier: a test may leave the process group broken on purpose (a peer timed out), and the store
+    still works then. A rank that failed does not wait: its exit is what ends its peers' pending collectives, which
+    tests of failures time. A store that is gone (its host left) ends the wait."""
+    key = "tests.helpers.workers/done"
+    try:
+        store = torch.distributed.distributed_c10d._get_default_store()
+        store.add(key, 1)
+        deadline = time.monotonic() + timeout
+        while wait and store.add(key, 0) < world_size and time.monotonic() < deadline:
+            time.sleep(0.01)
+    except RuntimeError:  # torch's DistStoreError: the host of the store has exited
+        pass
 
 
 PRELOAD = ["torch", "torch.distributed", "lightning", "lightning.pytorch", "lightning_zero", __name__]

@@ -1,0 +1,354 @@
+"""One training step of the Byzantine ranks mode: committed inputs, echo, agreement on the input set, recovery of
+missing columns, aggregation of each shard by ``2f + 1`` members, and the shard results that ``f + 1`` of them
+signed identically.
+
+Runbook::
+
+    protocol = StepProtocol(transport, Membership.of(4, f=1), timeout_s=10.0)
+    outcome = protocol.run(step, rows, aggregate)   # rows: this member's (k, d) worker rows
+    outcome.vector                                  # the aggregate: the same bits on every honest member
+    outcome.included, outcome.proofs, outcome.silent
+
+``aggregate(round, stack, shard)`` aggregates ``stack`` (``(n k, w)``: every member's rows of ``shard``'s columns,
+members in rank order, a left-out member's rows NaN, which the robust rules drop as non-finite) and returns the
+shard's ``(w,)`` result; the ``2f + 1`` rounds (one per shard this member aggregates) run side by side in threads,
+and ``shard.total`` is shared by them ([Note: Byzantine totals]).
+
+[Note: Byzantine totals] Rules that sum over every coordinate (the non-finite filter, Krum's distances, centered
+clipping's norms) add per-shard partial sums ([Note: sharded aggregation] in :mod:`lightning_zero.robust.shards`).
+A faulty aggregator could bend every member's totals through its partial, so here every partial is replicated like
+the results: the ``2f + 1`` rounds of a member run in lockstep, their ``t``-th call of ``total`` meets at a barrier,
+the member sends all its shards' ``t``-th partials (signed) to every member, and each shard's partial is the one
+``f + 1`` of its aggregators sent identically. Every member adds the accepted partials in shard order: the same
+totals, bit for bit, everywhere. The rounds of one rule make the same sequence of ``total`` calls because its
+control flow depends on the totals only, never on one shard's columns.
+
+Phases, each waiting at most ``timeout_s`` for every member (a member that sends nothing in time is *silent* for the
+step): inputs and echo ([Note: committed inputs] in :mod:`lightning_zero.byzantine.inputs`), the agreement
+(:mod:`lightning_zero.byzantine.agreement`), a request round for columns that an included member did not send here
+(always run: an empty request costs a few bytes; the columns come from the echoed holders), the totals, the results.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_zero.byzantine import inputs, wire
+from lightning_zero.byzantine.agreement import Agreement, Decision
+from lightning_zero.byzantine.inputs import ECHO, INPUT, Commitment, Held, Proof, Proposal
+from lightning_zero.byzantine.membership import Membership
+from lightning_zero.comm.signed import Evidence, PeerGone, PeerTimeout
+from lightning_zero.robust.shards import ColumnLayout, ColumnShard
+
+REQUEST, PIECES, RESULT, TOTALS = 3, 4, 5, 16
+"""Transport phases of the request round, the columns sent on request, the results, and the first totals call."""
+
+Aggregate = Callable[[int, Tensor, ColumnShard], Tensor]
+
+
+class StepFailed(RuntimeError):
+    """A shard's result or partial sum did not gather ``f + 1`` identical signed copies within the timeout: more
+    faulty members than ``f`` among its aggregators, or messages slower than the timeout. Raised before the step is
+    applied."""
+
+
+@dataclasses.dataclass
+class Outcome:
+    """What a step decided: the aggregate, whose inputs it holds, what was proven and who stayed silent."""
+
+    vector: Tensor
+    included: tuple[int, ...]
+    proofs: dict[int, Proof]
+    silent: set[int]
+    decision: Decision
+
+
+class StepProtocol:
+    """The step protocol of one member (see the module docstring).
+
+    Args:
+        transport: this member's :class:`~lightning_zero.comm.signed.SignedTransport`.
+        membership: the members and ``f``.
+        timeout_s: each phase's deadline, and the agreement's first view's.
+    """
+
+    def __init__(self, transport: Any, membership: Membership, *, timeout_s: float = 10.0) -> None:
+        self.transport, self.membership, self.timeout_s = transport, membership, float(timeout_s)
+        self.me = transport.rank
+        self.agreement = Agreement(transport, membership, timeout_s=timeout_s)
+
+    @property
+    def _peers(self) -> list[int]:
+        return [r for r in self.membership.members if r != self.me]
+
+    def _send(self, peer: int, step: int, phase: int, payload: bytes, tag: str) -> None:
+        with contextlib.suppress(PeerGone, PeerTimeout):  # its silence shows in what it fails to send back
+            self.transport.send(peer, step, phase, payload, tag=tag)
+
+    def _collect(self, step: int, phase: int, want: set[int]) -> dict[int, tuple[bytes, Evidence]]:
+        """The ``phase`` messages of the members in ``want``, waiting at most ``timeout_s`` for all of them."""
+        got: dict[int, tuple[bytes, Evidence]] = {}
+        deadline = time.monotonic() + self.timeout_s
+        while not want <= got.keys() and time.monotonic() < deadline:
+            for sender, _, payload, evidence in self.transport.take(
+                step, range(phase, phase + 1), deadline - time.monotonic()
+            ):
+                if sender in want:
+                    got.setdefault(sender, (payload, evidence))
+        return got
+
+    # ------------------------------------------------------------------------------------------------ the step
+    def run(self, step: int, rows: Tensor, aggregate: Aggregate) -> Outcome:
+        """One step with this member's ``(k, d)`` ``rows`` (see the module docstring)."""
+        members, me, keys = self.membership, self.me, self.transport.public_keys
+        commit, pieces = Commitment.of(rows, members)
+        encoded = commit.encode()
+        claim = self.transport.sign_own(step, inputs.COMMITMENT, encoded)
+        for peer in self._peers:
+            frame = inputs.input_frame(encoded, claim, [pieces[c] for c in members.shards_of(peer)])
+            self._send(peer, step, INPUT, frame, "byzantine_inputs")
+        held: dict[int, Held] = {me: Held(encoded, claim, {c: pieces[c] for c in members.shards_of(me)})}
+        signed: dict[int, tuple[bytes, Evidence]] = {me: (encoded, claim)}
+        proofs: dict[int, Proof] = {}
+        silent: set[int] = set()
+        got = self._collect(step, INPUT, set(self._peers))
+        silent |= set(self._peers) - got.keys()
+        for sender, (payload, evidence) in got.items():
+            try:
+                held[sender] = inputs.check_input(payload, sender, step, me, keys, members, commit)
+                signed[sender] = (held[sender].commitment, held[sender].claim)
+            except ValueError as err:
+                proofs[sender] = Proof(sender, _kind(err), str(err), ((payload, evidence),))
+        # echo: every signed commitment held, to every member
+        echo = inputs.echo_payload(held, signed, members)
+        echoes = {me: (echo, self.transport.sign_own(step, ECHO, echo))}
+        for peer in self._peers:
+            self._send(peer, step, ECHO, echo, "byzantine_echo")
+        got = self._collect(step, ECHO, set(self._peers))
+        silent |= set(self._peers) - got.keys()
+        for sender, (payload, evidence) in got.items():
+            try:
+                entries = inputs.read_echo(payload, step, keys, members)
+            except ValueError as err:
+                proofs.setdefault(sender, Proof(sender, "malformed", str(err), ((payload, evidence),)))
+                continue
+            echoes[sender] = (payload, evidence)
+            for rank, (commitment, entry_claim, _) in entries.items():
+                mine = signed.setdefault(rank, (commitment, entry_claim))
+                proof = inputs.equivocation(rank, mine, (commitment, entry_claim))
+                if proof is not None:
+                    proofs.setdefault(rank, proof)
+        # agreement on the inputs
+        decision = self.agreement.decide(
+            step,
+            propose=lambda: inputs.choose(signed, echoes, proofs, step, keys, members).encode(members),
+            validate=lambda value: _why_not(value, step, keys, members, proofs),
+        )
+        proposal = inputs.check_proposal(decision.value, step, keys, members, {})
+        self._recover(step, proposal, held, commit)
+        vector = self._aggregate(step, proposal, held, commit, rows, aggregate, proofs)
+        return Outcome(vector, tuple(sorted(proposal.included)), proofs, silent, decision)
+
+    # ------------------------------------------------------------------------------------------------ recovery
+    def _recover(self, step: int, proposal: Proposal, held: dict[int, Held], commit: Commitment) -> None:
+        """Columns of included members that did not reach this member, asked of the echoed holders of each shard;
+        every member answers every request for what it holds, and every answer is checked against the commitment."""
+        members, me, keys = self.membership, self.me, self.transport.public_keys
+        holders = proposal.holders(step, keys, members)
+        asks: dict[int, list[tuple[int, int]]] = {peer: [] for peer in self._peers}
+        for rank in proposal.included:
+            for shard in members.shards_of(me):
+                if rank not in held or shard not in held[rank].pieces:
+                    for holder in holders[rank].get(shard, ()):
+                        if holder in asks:
+                            asks[holder].append((rank, shard))
+        for peer in self._peers:
+            ask = wire.pack([wire.pack([wire.pack_int(r), wire.pack_int(c)]) for r, c in asks[peer]])
+            self._send(peer, step, REQUEST, ask, "byzantine_request")
+        for peer, (payload, _) in self._collect(step, REQUEST, set(self._peers)).items():
+            try:
+                wanted = [tuple(map(wire.unpack_int, wire.unpack(p, count=2))) for p in wire.unpack(payload)]
+            except ValueError:
+                continue
+            answers = [
+                wire.pack([wire.pack_int(r), wire.pack_int(c), *_held_parts(held[r]), held[r].pieces[c]])
+                for r, c in wanted
+                if r in held and c in held[r].pieces and r in proposal.included
+            ]
+            if answers:
+                self._send(peer, step, PIECES, wire.pack(answers), "byzantine_pieces")
+        if not any(asks.values()):
+            return
+        layout = ColumnLayout.contiguous(commit.width, members.n)
+        for payload, _ in self._collect(step, PIECES, {h for h, a in asks.items() if a}).values():
+            try:
+                received = [wire.unpack(a, count=5) for a in wire.unpack(payload)]
+            except ValueError:
+                continue
+            for rank_raw, shard_raw, commitment, raw, piece in received:
+                try:
+                    rank, shard = wire.unpack_int(rank_raw), wire.unpack_int(shard_raw)
+                    claim = wire.unpack_evidence(raw)
+                except ValueError:
+                    continue
+                if rank not in proposal.included or commitment != proposal.included[rank][0]:
+                    continue
+                digests = Commitment.decode(commitment, commit).digests
+                size = commit.piece_size(layout.size(shard))
+                if shard in members.shards_of(me) and len(piece) == size and wire.sha256(piece) == digests[shard]:
+                    entry = held.setdefault(rank, Held(commitment, claim, {}))
+                    entry.pieces.setdefault(shard, piece)
+
+    # ------------------------------------------------------------------------------------------------ aggregation
+    def _aggregate(
+        self, step: int, proposal: Proposal, held: dict[int, Held], commit: Commitment, rows: Tensor,
+        aggregate: Aggregate, proofs: dict[int, Proof],
+    ) -> Tensor:  # fmt: skip
+        members, me = self.membership, self.me
+        layout = ColumnLayout.contiguous(commit.width, members.n)
+        shards = members.shards_of(me)
+        k, dtype = commit.rows, rows.dtype
+        stacks = []
+        for shard in shards:
+            parts = []
+            for rank in members.members:
+                piece = held[rank].pieces.get(shard) if rank in proposal.included and rank in held else None
+                if piece is None:
+                    parts.append(torch.full((k, layout.size(shard)), float("nan"), dtype=dtype))
+                else:
+                    parts.append(inputs.piece_tensor(piece, k, dtype))
+            stacks.append(torch.cat(parts))
+        totals = _Lockstep(self, step, len(shards), proofs)
+        results: list[Tensor | None] = [None] * len(shards)
+        errors: list[BaseException] = []
+
+        def round_(j: int) -> None:
+            try:
+                total = functools.partial(totals.total, j)
+                shard = ColumnShard(shards[j], layout.shards[shards[j]], commit.width, total=total)
+                results[j] = aggregate(j, stacks[j], shard)
+            except BaseException as err:  # re-raised by the caller
+                errors.append(err)
+                totals.abort()
+
+        threads = [threading.Thread(target=round_, args=(j,), name=f"byzantine-round-{j}") for j in range(len(shards))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if totals.error is not None:
+            raise totals.error
+        if errors:
+            raise errors[0]
+        mine = {s: inputs.piece_bytes(r.reshape(1, -1)) for s, r in zip(shards, results) if r is not None}
+        accepted = self._replicated(step, RESULT, mine, "byzantine_results", proofs, "result")
+        vector = rows.new_empty(commit.width)
+        for shard, data in accepted.items():
+            layout.put(vector, shard, inputs.piece_tensor(data, 1, dtype)[0])
+        return vector
+
+    def _replicated(
+        self, step: int, phase: int, mine: dict[int, bytes], tag: str, proofs: dict[int, Proof], what: str
+    ) -> dict[int, bytes]:
+        """Send this member's per-shard values, and return each shard's value as ``f + 1`` of its aggregators
+        signed it; an aggregator that signed another value is proven faulty (``wrong_aggregate``)."""
+        members, me = self.membership, self.me
+        payload = wire.pack([wire.pack([wire.pack_int(s), data]) for s, data in mine.items()])
+        for peer in self._peers:
+            self._send(peer, step, phase, payload, tag)
+        got = {me: (payload, self.transport.sign_own(step, phase, payload))}
+        got.update(self._collect(step, phase, set(self._peers)))
+        values: dict[int, dict[int, bytes]] = {}  # shard -> sender -> value
+        for sender, (data, _) in got.items():
+            try:
+                for part in wire.unpack(data):
+                    shard_raw, value = wire.unpack(part, count=2)
+                    shard = wire.unpack_int(shard_raw)
+                    if 0 <= shard < members.n and sender in members.aggregators(shard):
+                        values.setdefault(shard, {})[sender] = value
+            except ValueError:
+                continue
+        accepted = {}
+        for shard in range(members.n):
+            counts: dict[bytes, list[int]] = {}
+            for sender, value in values.get(shard, {}).items():
+                counts.setdefault(value, []).append(sender)
+            agreed = [v for v, senders in counts.items() if len(senders) >= members.acceptance]
+            if not agreed:
+                raise StepFailed(
+                    f"lightning_zero: rank {me}, step {step}: no {what} of shard {shard} was signed identically by"
+                    f" f + 1 = {members.acceptance} of its aggregators {list(members.aggregators(shard))}"
+                    f" ({sum(map(len, counts.values()))} answered in {self.timeout_s:g} s)"
+                )
+            accepted[shard] = agreed[0]
+            witnesses = tuple(got[s] for s in counts[agreed[0]][: members.acceptance])
+            for value, senders in counts.items():
+                for sender in senders:
+                    if value != agreed[0] and sender not in proofs:
+                        detail = f"rank {sender} signed a {what} of shard {shard} that differs from the accepted one"
+                        proofs[sender] = Proof(sender, "wrong_aggregate", detail, (got[sender], *witnesses))
+        return accepted
+
+
+class _Lockstep:
+    """The shared ``total`` of one member's rounds ([Note: Byzantine totals])."""
+
+    def __init__(self, protocol: StepProtocol, step: int, rounds: int, proofs: dict[int, Proof]) -> None:
+        self.protocol, self.step, self.proofs = protocol, step, proofs
+        self.calls = 0
+        self.error: BaseException | None = None
+        self._partials: list[Tensor | None] = [None] * rounds
+        self._result: Tensor | None = None
+        self._barrier = threading.Barrier(rounds, action=self._exchange, timeout=protocol.timeout_s * 4)
+        self._shards = protocol.membership.shards_of(protocol.me)
+
+    def abort(self) -> None:
+        self._barrier.abort()
+
+    def total(self, j: int, partial: Tensor) -> Tensor:
+        """Round ``j``'s partial sums -> the totals over every shard (when every round has handed its own)."""
+        self._partials[j] = partial
+        self._barrier.wait()
+        assert self._result is not None
+        return self._result.clone()
+
+    def _exchange(self) -> None:
+        try:
+            partials = [p for p in self._partials if p is not None]
+            like = partials[0]
+            mine = {s: inputs.piece_bytes(p.reshape(1, -1)) for s, p in zip(self._shards, partials)}
+            phase = TOTALS + self.calls
+            self.calls += 1
+            accepted = self.protocol._replicated(self.step, phase, mine, "byzantine_totals", self.proofs, "partial sum")
+            total = torch.zeros_like(like)
+            for shard in range(self.protocol.membership.n):
+                total += inputs.piece_tensor(accepted[shard], 1, like.dtype).reshape(like.shape)
+            self._result = total
+        except BaseException as err:
+            self.error = err
+            raise
+
+
+def _held_parts(held: Held) -> list[bytes]:
+    return [held.commitment, wire.pack_evidence(held.claim)]
+
+
+def _kind(err: ValueError) -> str:
+    return "forged_digest" if "forged digest" in str(err) else "malformed"
+
+
+def _why_not(value: bytes, step: int, keys: Any, members: Membership, proofs: dict[int, Proof]) -> str | None:
+    try:
+        inputs.check_proposal(value, step, keys, members, proofs)
+    except ValueError as err:
+        return str(err)
+    return None

@@ -1,0 +1,134 @@
+"""lightning_zero.byzantine.step: one step among threads of one process, each member with its own signed TCP
+transport; faulty members run real attack code. Honest members must end with the same bits, equal to the rule on
+the whole stack, and hold the proofs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_zero.byzantine import inputs, wire
+from lightning_zero.byzantine.agreement import PHASE_BASE
+from lightning_zero.byzantine.inputs import COMMITMENT, INPUT, Commitment
+from lightning_zero.byzantine.membership import Membership
+from lightning_zero.byzantine.step import TOTALS, StepProtocol
+from lightning_zero.robust.aggregation import RobustAggregator
+from tests.helpers.byzantine import Rewrite, Twisted, run_members, silent
+
+pytest.importorskip("cryptography")
+K, D, TIMEOUT = 2, 37, 1.0
+RULES = {"median": {}, "trimmed_mean": {}, "centered_clipping": {"tau": 0.5, "iterations": 3}}
+
+
+def rows_of(rank: int) -> torch.Tensor:
+    return torch.randn(K, D, generator=torch.Generator().manual_seed(100 + rank))
+
+
+def aggregator(rule: str, n: int, f: int) -> RobustAggregator:
+    agg = RobustAggregator(rule, f=f, rule_kwargs=RULES[rule])
+    agg.validate(n * K)
+    return agg
+
+
+def run_step(
+    n: int, f: int, rule: str, faulty: dict[int, Rewrite] | None = None, wrong: set[int] = frozenset()
+) -> dict[Any, Any]:
+    """Every member runs step 0 with its rows; ``faulty``: rewrites of a member's sends; ``wrong``: members whose
+    shard results are off by one. ``{rank: Outcome or error}``."""
+    members = Membership.of(n, f)
+
+    def body(rank: int, link: Any) -> Any:
+        protocol = StepProtocol(link, members, timeout_s=TIMEOUT)
+        rounds = [aggregator(rule, n, f) for _ in members.shards_of(rank)]
+
+        def aggregate(j, stack, shard):
+            vector = rounds[j](stack, shard).vector
+            return vector + 1 if rank in wrong else vector
+
+        return protocol.run(0, rows_of(rank), aggregate)
+
+    return run_members(n, body, faulty or {}, linger=1.0)
+
+
+def reference(rule: str, n: int, f: int, left_out: set[int] = frozenset()) -> torch.Tensor:
+    """The rule on the whole stack, unsharded, a left-out member's rows NaN."""
+    stack = torch.cat([torch.full((K, D), float("nan")) if r in left_out else rows_of(r) for r in range(n)])
+    return aggregator(rule, n, f)(stack).vector
+
+
+def check_honest(out: dict[Any, Any], honest: list[int], rule: str, n: int, f: int, left_out: set[int]) -> None:
+    for r in honest:
+        assert not isinstance(out[r], Exception), (r, out[r])
+    first = out[honest[0]].vector
+    for r in honest:
+        assert torch.equal(out[r].vector, first), r  # safety: the same bits on every honest member
+        assert set(out[r].included) == set(range(n)) - left_out, (r, out[r].included)
+    torch.testing.assert_close(first, reference(rule, n, f, left_out), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("rule", list(RULES))
+def test_without_faults_the_aggregate_is_the_rule_on_the_whole_stack_on_every_member(rule):
+    out = run_step(4, 1, rule)
+    check_honest(out, [0, 1, 2, 3], rule, 4, 1, set())
+    assert not any(out[r].proofs or out[r].silent for r in range(4))
+
+
+def _equivocate(link: Twisted, peer: int, phase: int, payload: bytes) -> bytes | None:
+    """To ranks 1 and 2, other rows than to rank 0, with their own signed commitment."""
+    if phase != INPUT or peer == 0:
+        return payload
+    members = Membership.of(4, 1)
+    commit, pieces = Commitment.of(rows_of(3) * -5, members)
+    claim = link.sign_own(0, COMMITMENT, commit.encode())
+    return inputs.input_frame(commit.encode(), claim, [pieces[c] for c in members.shards_of(peer)])
+
+
+def test_equivocating_inputs_are_proven_and_left_out_on_every_honest_member():
+    out = run_step(4, 1, "median", faulty={3: _equivocate})
+    check_honest(out, [0, 1, 2], "median", 4, 1, {3})
+    for r in (0, 1, 2):
+        assert out[r].proofs[3].kind == "equivocation"
+
+
+def _forge_to_rank_1(link: Twisted, peer: int, phase: int, payload: bytes) -> bytes | None:
+    """To rank 1, columns that do not match the signed digests."""
+    if phase != INPUT or peer != 1:
+        return payload
+    parts = wire.unpack(payload)
+    return wire.pack([*parts[:2], *(bytes(len(p)) for p in parts[2:])])
+
+
+def test_a_forged_digest_is_proven_by_its_victim_which_recovers_the_columns_from_the_holders():
+    out = run_step(4, 1, "trimmed_mean", faulty={3: _forge_to_rank_1})
+    check_honest(out, [0, 1, 2], "trimmed_mean", 4, 1, set())  # rank 3's inputs are held by f + 1 per shard
+    assert out[1].proofs[3].kind == "forged_digest"
+
+
+@pytest.mark.parametrize("rule", ["median", "centered_clipping"])
+def test_a_wrong_shard_result_is_outvoted_and_proven(rule):
+    out = run_step(4, 1, rule, wrong={2})
+    check_honest(out, [0, 1, 3], rule, 4, 1, set())
+    for r in (0, 1, 3):
+        assert out[r].proofs[2].kind == "wrong_aggregate"
+
+
+def test_a_silent_member_is_left_out_and_named_and_the_others_agree():
+    out = run_step(4, 1, "centered_clipping", faulty={0: silent})
+    check_honest(out, [1, 2, 3], "centered_clipping", 4, 1, {0})
+    assert all(out[r].silent == {0} for r in (1, 2, 3))
+
+
+def test_a_wrong_partial_sum_cannot_bend_the_totals():
+    """Rank 1 corrupts every partial sum it sends (centered clipping's norms): the f + 1 honest copies win."""
+
+    def corrupt(link: Twisted, peer: int, phase: int, payload: bytes) -> bytes | None:
+        if not TOTALS <= phase < PHASE_BASE:
+            return payload
+        parts = [wire.unpack(p, count=2) for p in wire.unpack(payload)]
+        return wire.pack([wire.pack([shard, bytes(len(v))]) for shard, v in parts])
+
+    out = run_step(4, 1, "centered_clipping", faulty={1: corrupt})
+    check_honest(out, [0, 2, 3], "centered_clipping", 4, 1, set())
+    assert all(out[r].proofs[1].kind == "wrong_aggregate" for r in (0, 2, 3))
