@@ -299,7 +299,7 @@ class Agreement:
             for w, s in views.items():
                 cert = self._quorum(step, w, COMMIT, s.value, s.commits)
                 if cert is not None:
-                    return self._decided(step, Decision(step, w, cert.value, cert))
+                    return self._decided(step, Decision(step, w, cert.value, cert), views, validate)
             later = self._later_view(views, view)
             deadline = entered + self.timeout_s * (view + 1)
             if later is not None or time.monotonic() >= deadline:
@@ -317,7 +317,7 @@ class Agreement:
             for sender, phase, payload, evidence in self.transport.take(step, self.phases, deadline - time.monotonic()):
                 decision = self._receive(step, sender, phase, payload, evidence, views, validate)
                 if decision is not None:
-                    return self._decided(step, decision)
+                    return self._decided(step, decision, views, validate)
 
     def _lead(self, step: int, view: int, state: _View, propose: Callable[[], bytes]) -> bytes | None:
         """As the leader of ``view``: the pre-prepare sent and its value returned, or ``None`` while a new view still
@@ -358,7 +358,12 @@ class Agreement:
             return None
         return sorted(asked.values(), reverse=True)[self.membership.f]
 
-    def _decided(self, step: int, decision: Decision) -> Decision:
-        """Tell every member (those that missed a message decide on it), then return ``decision``."""
+    def _decided(
+        self, step: int, decision: Decision, views: dict[int, _View], validate: Callable[[bytes], str | None]
+    ) -> Decision:
+        """Tell every member (those that missed a message decide on it), read what has already arrived (its
+        misbehaviour is kept), then return ``decision``."""
         self._broadcast(step, self.phase_base, decision.certificate.encode())
+        for sender, phase, payload, evidence in self.transport.take(step, self.phases, 0.0):
+            self._receive(step, sender, phase, payload, evidence, views, validate)
         return decision

@@ -85,6 +85,7 @@ class StepProtocol:
         self.transport, self.membership, self.timeout_s = transport, membership, float(timeout_s)
         self.me = transport.rank
         self.agreement = Agreement(transport, membership, timeout_s=timeout_s)
+        self._silent: set[int] = set()  # the members that missed a deadline of the running step
 
     @property
     def _peers(self) -> list[int]:
@@ -95,7 +96,10 @@ class StepProtocol:
             self.transport.send(peer, step, phase, payload, tag=tag)
 
     def _collect(self, step: int, phase: int, want: set[int]) -> dict[int, tuple[bytes, Evidence]]:
-        """The ``phase`` messages of the members in ``want``, waiting at most ``timeout_s`` for all of them."""
+        """The ``phase`` messages of the members in ``want``, waiting at most ``timeout_s`` for all of them. A member
+        that misses the deadline is silent for the rest of the step: no later phase waits for it (one timeout per
+        step, not one per phase)."""
+        want = want - self._silent
         got: dict[int, tuple[bytes, Evidence]] = {}
         deadline = time.monotonic() + self.timeout_s
         while not want <= got.keys() and time.monotonic() < deadline:
@@ -104,6 +108,7 @@ class StepProtocol:
             ):
                 if sender in want:
                     got.setdefault(sender, (payload, evidence))
+        self._silent |= want - got.keys()
         return got
 
     # ------------------------------------------------------------------------------------------------ the step
@@ -119,9 +124,9 @@ class StepProtocol:
         held: dict[int, Held] = {me: Held(encoded, claim, {c: pieces[c] for c in members.shards_of(me)})}
         signed: dict[int, tuple[bytes, Evidence]] = {me: (encoded, claim)}
         proofs: dict[int, Proof] = {}
-        silent: set[int] = set()
+        self._silent = set()
+        self.transport.forget_before(step)
         got = self._collect(step, INPUT, set(self._peers))
-        silent |= set(self._peers) - got.keys()
         for sender, (payload, evidence) in got.items():
             try:
                 held[sender] = inputs.check_input(payload, sender, step, me, keys, members, commit)
@@ -134,7 +139,6 @@ class StepProtocol:
         for peer in self._peers:
             self._send(peer, step, ECHO, echo, "byzantine_echo")
         got = self._collect(step, ECHO, set(self._peers))
-        silent |= set(self._peers) - got.keys()
         for sender, (payload, evidence) in got.items():
             try:
                 entries = inputs.read_echo(payload, step, keys, members)
@@ -156,7 +160,7 @@ class StepProtocol:
         proposal = inputs.check_proposal(decision.value, step, keys, members, {})
         self._recover(step, proposal, held, commit)
         vector = self._aggregate(step, proposal, held, commit, rows, aggregate, proofs)
-        return Outcome(vector, tuple(sorted(proposal.included)), proofs, silent, decision)
+        return Outcome(vector, tuple(sorted(proposal.included)), proofs, set(self._silent), decision)
 
     # ------------------------------------------------------------------------------------------------ recovery
     def _recover(self, step: int, proposal: Proposal, held: dict[int, Held], commit: Commitment) -> None:

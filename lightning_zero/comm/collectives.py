@@ -63,6 +63,7 @@ from lightning_zero.comm.groups import backend as backend
 from lightning_zero.comm.groups import global_rank as global_rank
 from lightning_zero.comm.groups import is_initialized as is_initialized
 from lightning_zero.comm.groups import rank as rank
+from lightning_zero.comm.groups import rendezvous_store as rendezvous_store
 from lightning_zero.comm.groups import world_size as world_size
 from lightning_zero.comm.ledger import LEDGER as LEDGER
 from lightning_zero.comm.ring import ring_all_reduce

@@ -59,3 +59,11 @@ def rank(group: Any = None) -> int:
 def global_rank(group_rank: int, group: Any = None) -> int:
     """The global rank of ``group``'s rank ``group_rank`` (the ``src``/``dst`` our collectives take)."""
     return group_rank if group is None else dist.get_global_rank(group, group_rank)
+
+
+def rendezvous_store() -> Any:
+    """The default process group's store (the rendezvous every rank joined; hosted by rank 0): where the Byzantine
+    ranks mode, which trusts it, publishes public keys and addresses."""
+    if not is_initialized():
+        raise RuntimeError("the rendezvous store exists only once the process group is initialized")
+    return dist.distributed_c10d._get_default_store()

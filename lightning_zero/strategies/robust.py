@@ -40,6 +40,8 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_zero.byzantine.exchange import ByzantineExchange
+from lightning_zero.byzantine.exchange import check_settings as check_byzantine_settings
 from lightning_zero.robust.aggregation import StageSpec
 from lightning_zero.robust.engine import (
     CHECKPOINT_KEY,
@@ -80,6 +82,14 @@ class RobustDDPStrategy(RobustFrontEnd, ScratchParallelStrategy):
         aggregation_replicas: with ``sharded_aggregation``, ``r`` in ``[1, N]`` ranks aggregate each shard and compare
             digests of their results before anyone applies the step (``AggregationMismatchError`` on every rank
             otherwise; [Note: replicated aggregation]); costs ``r`` times the exchange and the aggregation.
+        byzantine_ranks: ``f`` >= 1 turns on the Byzantine ranks mode (``lightning_zero.byzantine``): up to ``f``
+            *ranks* may run hostile code (``N >= 3f + 1`` processes); signed messages, each shard aggregated by
+            ``2f + 1`` ranks, agreement on every step's inputs. 0: every rank is trusted.
+        byzantine_timeout: seconds each phase of a step waits; a rank silent past it is left out of that step.
+        byzantine_rank_behaviour: evaluation only: ``silent``, ``equivocate``, ``forged_digest``,
+            ``wrong_aggregate``, ``wrong_partial`` or ``wrong_vote``, played by ``byzantine_behaving_ranks``
+            (default: the last ``byzantine_ranks``).
+        byzantine_behaving_ranks: the ranks that play ``byzantine_rank_behaviour``.
         master_weights: must stay ``False``: the robust pipeline aggregates and steps the module's own parameters.
         **kwargs: see :class:`~lightning_zero.strategies.base.ScratchParallelStrategy`.
     """
@@ -101,9 +111,19 @@ class RobustDDPStrategy(RobustFrontEnd, ScratchParallelStrategy):
         seed: int = 0,
         sharded_aggregation: bool = False,
         aggregation_replicas: int = 1,
+        byzantine_ranks: int = 0,
+        byzantine_timeout: float = 10.0,
+        byzantine_rank_behaviour: str | None = None,
+        byzantine_behaving_ranks: Sequence[int] | None = None,
         master_weights: bool = False,
         **kwargs: Any,
     ) -> None:
+        self._byzantine = {
+            "byzantine_ranks": byzantine_ranks, "byzantine_timeout": byzantine_timeout, "aggregator": aggregator,
+            "aggregation_replicas": aggregation_replicas, "byzantine_rank_behaviour": byzantine_rank_behaviour,
+            "byzantine_behaving_ranks": None if byzantine_behaving_ranks is None else list(byzantine_behaving_ranks),
+        }  # fmt: skip
+        check_byzantine_settings(**self._byzantine)
         self.robust_engine = build_engine(
             aggregator,
             f=f,
@@ -118,6 +138,13 @@ class RobustDDPStrategy(RobustFrontEnd, ScratchParallelStrategy):
             sharded_aggregation=sharded_aggregation,
             aggregation_replicas=aggregation_replicas,
         )
+        if byzantine_ranks:
+            self.robust_engine.exchange = ByzantineExchange(  # type: ignore[assignment]
+                byzantine_ranks,
+                byzantine_timeout,
+                byzantine_rank_behaviour,
+                self._byzantine["byzantine_behaving_ranks"],
+            )
         super().__init__(master_weights=master_weights, **kwargs)
         self._worker_losses: list[Tensor] = []
 
@@ -126,6 +153,11 @@ class RobustDDPStrategy(RobustFrontEnd, ScratchParallelStrategy):
     def strategy_buffers(self) -> list[Tensor]:
         """The worker rows (and momentum rows) while fitting."""
         return self.robust_engine.buffers
+
+    @override
+    def _check_robust_settings(self) -> None:
+        check_byzantine_settings(**self._byzantine, world_size=self.num_nodes * self.num_processes)
+        super()._check_robust_settings()
 
     @override
     def _configure_launcher(self) -> None:
@@ -192,6 +224,9 @@ class RobustDDPStrategy(RobustFrontEnd, ScratchParallelStrategy):
                 self.robust_engine.send(j)
         if boundary:
             metrics = self.robust_engine.aggregate()
+            exchange = self.robust_engine.exchange
+            if isinstance(exchange, ByzantineExchange):
+                metrics.update(exchange.metrics())
             module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
         return self.precision_plugin.post_backward(closure_loss, module)
 
@@ -213,5 +248,7 @@ class RobustDDPStrategy(RobustFrontEnd, ScratchParallelStrategy):
         # The worker rows stay, like the optimizer's state: momentum rows belong in a checkpoint saved after fit.
         self._worker_losses = []
         self.robust_engine.remove()
+        if isinstance(self.robust_engine.exchange, ByzantineExchange):
+            self.robust_engine.exchange.close()
         self._revert_layer_sync()
         super().teardown()

@@ -69,6 +69,11 @@ def check_settings(stage: Any, settings: dict[str, Any]) -> None:
             f"sharded_aggregation={settings['sharded_aggregation']!r} is invalid for {name}: each rank aggregates the"
             " columns of its optimizer shard, so the aggregation is always sharded"
         )
+    if settings.get("byzantine_ranks"):
+        raise ValueError(
+            f"byzantine_ranks={settings['byzantine_ranks']!r} is not supported by {name} yet: use robust_ddp_scratch"
+            " (its aggregate goes to the optimizer shards unchecked by the agreement)"
+        )
 
 
 class RobustZeroStrategy(RobustDDPStrategy, ZeroStrategy):

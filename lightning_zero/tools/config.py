@@ -244,6 +244,7 @@ def _check_robust(schema: RobustDDPStrategyConf, devices: Any, num_nodes: int) -
     if processes is None:
         return
     try:
+        schema.check_byzantine(processes)
         schema.aggregator_pipeline().validate(processes * schema.workers_per_rank)
         check_sharding(schema.sharded_aggregation, schema.aggregation_replicas, processes)
     except ValueError as err:

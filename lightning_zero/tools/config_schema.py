@@ -19,6 +19,7 @@ from typing import Any, Optional, cast
 
 from omegaconf import MISSING
 
+from lightning_zero.byzantine.exchange import check_settings as check_byzantine_settings
 from lightning_zero.comm.hierarchy import check_algorithm
 from lightning_zero.comm.link_model import resolve_link_model
 from lightning_zero.comm.powersgd_config import compression_config
@@ -221,6 +222,10 @@ class RobustDDPStrategyConf(_DataParallelConf):
     seed: int = 0
     sharded_aggregation: bool = False
     aggregation_replicas: int = 1
+    byzantine_ranks: int = 0
+    byzantine_timeout: float = 10.0
+    byzantine_rank_behaviour: Optional[str] = None
+    byzantine_behaving_ranks: Optional[list[int]] = None
     master_weights: bool = False
 
     def __post_init__(self) -> None:
@@ -228,7 +233,16 @@ class RobustDDPStrategyConf(_DataParallelConf):
         with as_config_error():
             check_workers(self.workers_per_rank, self.worker_momentum)
             check_sharding(self.sharded_aggregation, self.aggregation_replicas)
+            self.check_byzantine()
         self.aggregator_pipeline()
+
+    def check_byzantine(self, world_size: int | None = None) -> None:
+        """The Byzantine ranks settings (``world_size``: when the processes are known)."""
+        ranks = None if self.byzantine_behaving_ranks is None else list(self.byzantine_behaving_ranks)
+        check_byzantine_settings(
+            self.byzantine_ranks, self.byzantine_timeout, self.aggregator, self.aggregation_replicas,
+            self.byzantine_rank_behaviour, ranks, world_size,
+        )  # fmt: skip
 
     def aggregator_pipeline(self) -> RobustAggregator:
         """The aggregator these settings build (unknown names and parameters raise :class:`ConfigError`)."""

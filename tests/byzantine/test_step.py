@@ -9,16 +9,15 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_zero.byzantine import inputs, wire
-from lightning_zero.byzantine.agreement import PHASE_BASE
-from lightning_zero.byzantine.inputs import COMMITMENT, INPUT, Commitment
+from lightning_zero.byzantine.behaviours import BEHAVIOURS, Rewrite
 from lightning_zero.byzantine.membership import Membership
-from lightning_zero.byzantine.step import TOTALS, StepProtocol
+from lightning_zero.byzantine.step import StepProtocol
 from lightning_zero.robust.aggregation import RobustAggregator
-from tests.helpers.byzantine import Rewrite, Twisted, run_members, silent
+from tests.helpers.byzantine import run_members, silent
 
 pytest.importorskip("cryptography")
-K, D, TIMEOUT = 2, 37, 1.0
+K, D, TIMEOUT = 2, 37, 2.0
+MEMBERS = Membership.of(4, 1)
 RULES = {"median": {}, "trimmed_mean": {}, "centered_clipping": {"tau": 0.5, "iterations": 3}}
 
 
@@ -75,35 +74,19 @@ def test_without_faults_the_aggregate_is_the_rule_on_the_whole_stack_on_every_me
     assert not any(out[r].proofs or out[r].silent for r in range(4))
 
 
-def _equivocate(link: Twisted, peer: int, phase: int, payload: bytes) -> bytes | None:
-    """To ranks 1 and 2, other rows than to rank 0, with their own signed commitment."""
-    if phase != INPUT or peer == 0:
-        return payload
-    members = Membership.of(4, 1)
-    commit, pieces = Commitment.of(rows_of(3) * -5, members)
-    claim = link.sign_own(0, COMMITMENT, commit.encode())
-    return inputs.input_frame(commit.encode(), claim, [pieces[c] for c in members.shards_of(peer)])
-
-
 def test_equivocating_inputs_are_proven_and_left_out_on_every_honest_member():
-    out = run_step(4, 1, "median", faulty={3: _equivocate})
+    out = run_step(4, 1, "median", faulty={3: BEHAVIOURS["equivocate"](MEMBERS)})
     check_honest(out, [0, 1, 2], "median", 4, 1, {3})
     for r in (0, 1, 2):
         assert out[r].proofs[3].kind == "equivocation"
 
 
-def _forge_to_rank_1(link: Twisted, peer: int, phase: int, payload: bytes) -> bytes | None:
-    """To rank 1, columns that do not match the signed digests."""
-    if phase != INPUT or peer != 1:
-        return payload
-    parts = wire.unpack(payload)
-    return wire.pack([*parts[:2], *(bytes(len(p)) for p in parts[2:])])
-
-
 def test_a_forged_digest_is_proven_by_its_victim_which_recovers_the_columns_from_the_holders():
-    out = run_step(4, 1, "trimmed_mean", faulty={3: _forge_to_rank_1})
-    check_honest(out, [0, 1, 2], "trimmed_mean", 4, 1, set())  # rank 3's inputs are held by f + 1 per shard
-    assert out[1].proofs[3].kind == "forged_digest"
+    """Rank 0, step 0's leader, forges to rank 1, which holds the proof and so rejects rank 0's proposal; ranks 2, 3
+    and 0 still decide it (a quorum), and rank 1 gets rank 0's columns from the holders the proposal names."""
+    out = run_step(4, 1, "trimmed_mean", faulty={0: BEHAVIOURS["forged_digest"](MEMBERS)})  # to rank 1
+    check_honest(out, [1, 2, 3], "trimmed_mean", 4, 1, set())
+    assert out[1].proofs[0].kind == "forged_digest"
 
 
 @pytest.mark.parametrize("rule", ["median", "centered_clipping"])
@@ -123,12 +106,6 @@ def test_a_silent_member_is_left_out_and_named_and_the_others_agree():
 def test_a_wrong_partial_sum_cannot_bend_the_totals():
     """Rank 1 corrupts every partial sum it sends (centered clipping's norms): the f + 1 honest copies win."""
 
-    def corrupt(link: Twisted, peer: int, phase: int, payload: bytes) -> bytes | None:
-        if not TOTALS <= phase < PHASE_BASE:
-            return payload
-        parts = [wire.unpack(p, count=2) for p in wire.unpack(payload)]
-        return wire.pack([wire.pack([shard, bytes(len(v))]) for shard, v in parts])
-
-    out = run_step(4, 1, "centered_clipping", faulty={1: corrupt})
+    out = run_step(4, 1, "centered_clipping", faulty={1: BEHAVIOURS["wrong_partial"](MEMBERS)})
     check_honest(out, [0, 2, 3], "centered_clipping", 4, 1, set())
     assert all(out[r].proofs[1].kind == "wrong_aggregate" for r in (0, 2, 3))

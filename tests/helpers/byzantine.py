@@ -1,5 +1,5 @@
-"""Members of the Byzantine ranks protocol as threads of one process, each with its own signed TCP transport, and
-the faulty member's transport that rewrites, withholds or forges what it sends."""
+"""Members of the Byzantine ranks protocol as threads of one process, each with its own signed TCP transport (a
+faulty one's :class:`~lightning_zero.byzantine.behaviours.Twisted`)."""
 
 from __future__ import annotations
 
@@ -10,25 +10,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from lightning_zero.byzantine.behaviours import Rewrite, Twisted
 from lightning_zero.comm.signed import SignedTransport
-
-Rewrite = Callable[["Twisted", int, int, bytes], "bytes | None"]
-
-
-class Twisted:
-    """A faulty member's transport: ``rewrite(self, peer, phase, payload)`` replaces what it sends (``None``:
-    withheld); ``self.sign_own`` signs what it forges."""
-
-    def __init__(self, inner: SignedTransport, rewrite: Rewrite) -> None:
-        self.inner, self.rewrite = inner, rewrite
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-    def send(self, peer: int, step: int, phase: int, payload: bytes, tag: str = "") -> None:
-        out = self.rewrite(self, peer, phase, payload)
-        if out is not None:
-            self.inner.send(peer, step, phase, out, tag=tag)
 
 
 def run_members(
@@ -60,6 +43,6 @@ def run_members(
     return out
 
 
-def silent(link: Twisted, peer: int, phase: int, payload: bytes) -> None:
+def silent(link: Twisted, peer: int, step: int, phase: int, payload: bytes) -> None:
     """A member that sends nothing at all."""
     return None

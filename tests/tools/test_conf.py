@@ -396,6 +396,10 @@ def test_cli_optuna_sweep_runs_its_trials(tmp_path: Path) -> None:
             ["strategy.sharded_aggregation=true", "strategy.aggregation_replicas=3"],
             r"aggregation_replicas=3 is invalid for 2 processes: .* expected an integer in \[1, 2\]",
         ),
+        (["strategy.byzantine_ranks=1"], r"byzantine_ranks=1 needs at least 3f \+ 1 = 4 processes, got 2"),
+        (["strategy.byzantine_ranks=1", "trainer.devices=4", "strategy.aggregator=mean"], "needs a robust rule"),
+        (["strategy.byzantine_ranks=1", "trainer.devices=4", "+strategy.byzantine_rank_behaviour=lie"], "'lie'"),
+        (["strategy.byzantine_timeout=0", "strategy.byzantine_ranks=1"], r"byzantine_timeout=0(\.0)? is invalid"),
     ],
 )
 def test_robust_settings_fail_before_any_process(compose_cfg, overrides: list[str], message: str) -> None:

@@ -1,0 +1,178 @@
+"""The Byzantine ranks mode inside ``robust_ddp_scratch``: the engine's exchange ([Note: sharded aggregation] in
+:mod:`lightning_zero.robust.shards`) replaced by :class:`~lightning_zero.byzantine.step.StepProtocol` over signed
+point-to-point messages.
+
+Runbook (what :class:`~lightning_zero.strategies.robust.RobustDDPStrategy` does with ``byzantine_ranks=f``)::
+
+    engine.exchange = ByzantineExchange(f=1, timeout_s=10.0)   # before attach()
+    metrics = engine.aggregate()     # each step: the protocol; every honest rank sets the same p.grad
+    engine.exchange.last_outcome     # included ranks, proofs, silent ranks of the step
+    engine.exchange.close()          # the fit's end: the connections closed
+
+The transport is built at the first step, over the process group's rendezvous store (trusted by the threat model)
+under a prefix counted per process, so that several fits in one process group never read each other's keys. Each of
+this rank's ``2f + 1`` shards is aggregated by its own copy of the rule, every copy starting from the rule's
+generator state; afterwards the rule keeps round 0's generator state and, for ``centered_clipping``, the agreed
+aggregate as its centre (the same on every honest rank).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import itertools
+from collections.abc import Callable
+from collections.abc import Set as AbstractSet
+from typing import Any
+
+from torch import Tensor
+
+from lightning_zero.byzantine.behaviours import BEHAVIOURS, Twisted
+from lightning_zero.byzantine.membership import Membership
+from lightning_zero.byzantine.step import Outcome, StepProtocol
+from lightning_zero.comm import collectives as comm
+from lightning_zero.comm.signed import SignedTransport
+from lightning_zero.robust.aggregation import AggregationResult, RobustAggregator
+from lightning_zero.robust.shards import ColumnShard
+from lightning_zero.robust.workers import WorkerGradients
+
+_RUNS = itertools.count()  # transports built by this process: the same sequence on every rank
+
+
+class ByzantineExchange:
+    """The engine's exchange in the Byzantine ranks mode (see the module docstring).
+
+    Args:
+        f: the Byzantine ranks tolerated (``n >= 3f + 1`` processes).
+        timeout_s: each phase's deadline; a rank silent past it is left out of that step.
+        behaviour: evaluation only: a name of :data:`~lightning_zero.byzantine.behaviours.BEHAVIOURS` that the
+            ``behaving_ranks`` play (default: the last ``f``).
+    """
+
+    def __init__(
+        self, f: int, timeout_s: float = 10.0, behaviour: str | None = None, behaving_ranks: list[int] | None = None
+    ) -> None:
+        self.f, self.timeout_s = f, float(timeout_s)
+        self.behaviour, self.behaving_ranks = behaviour, behaving_ranks
+        self.sink: Callable[[Tensor, set[str]], None] | None = None  # robust ZeRO's; refused with this mode
+        self.step = 0
+        self.last_outcome: Outcome | None = None
+        self._transport: SignedTransport | None = None
+        self._protocol: StepProtocol | None = None
+
+    @property
+    def replicas(self) -> int:
+        return 2 * self.f + 1
+
+    @property
+    def received(self) -> list[Tensor]:
+        return []
+
+    @property
+    def buffers(self) -> list[Tensor]:
+        return []
+
+    def reset(self, groups: list[list[int]] | None) -> None:
+        """A new run: a new transport at its first step."""
+        self.close()
+        self.step = 0
+
+    def send(self, grads: WorkerGradients, worker: int) -> None:
+        """Nothing to start early: a step's messages go once every worker's rows are final."""
+
+    def gather_center(self, center: Tensor, numels: list[int]) -> Tensor:
+        """The rule's centre is the agreed aggregate, whole on every rank."""
+        return center
+
+    def _members(self) -> Membership:
+        return Membership.of(comm.world_size(), self.f)
+
+    def protocol(self) -> StepProtocol:
+        if self._protocol is None:
+            members = self._members()
+            rank = comm.rank()
+            transport = SignedTransport(
+                rank, members.n, comm.rendezvous_store(), timeout_s=self.timeout_s,
+                prefix=f"lightning_zero/byzantine/{next(_RUNS)}",
+            )  # fmt: skip
+            self._transport = transport
+            behaving = self.behaving_ranks if self.behaving_ranks is not None else list(members.members[-self.f :])
+            link: Any = transport
+            timeout = self.timeout_s
+            if self.behaviour is not None and rank in behaving:
+                link = Twisted(transport, BEHAVIOURS[self.behaviour](members))
+                # The faulty rank's own (honest) code must trail the honest ranks, which wait for it, rather than
+                # give up on them first and fail its process (a crash is a behaviour of its own).
+                timeout *= 4
+            self._protocol = StepProtocol(link, members, timeout_s=timeout)
+        return self._protocol
+
+    def aggregate(
+        self, grads: WorkerGradients, aggregator: RobustAggregator, unused: AbstractSet[str] = frozenset()
+    ) -> tuple[AggregationResult, Tensor]:
+        """One step of the protocol on this rank's rows; the aggregate (on the rows' device) and round 0's result."""
+        protocol = self.protocol()
+        rows = grads.vectors()
+        rounds = [copy.deepcopy(aggregator) for _ in protocol.membership.shards_of(comm.rank())]
+        results: dict[int, AggregationResult] = {}
+
+        def aggregate(j: int, stack: Tensor, shard: ColumnShard) -> Tensor:
+            results[j] = rounds[j](stack, shard)
+            return results[j].vector
+
+        outcome = protocol.run(self.step, rows.detach().cpu(), aggregate)
+        self.step += 1
+        self.last_outcome = outcome
+        aggregator.generator.set_state(rounds[0].generator.get_state())
+        vector = outcome.vector.to(rows.device)
+        if aggregator.spec.stateful:
+            aggregator.center = vector.detach().clone()
+        first = results.get(0)
+        if first is None:  # this rank aggregated no shard of its own in time: the metrics say so
+            return AggregationResult(vector, float("nan"), None, 0, 0.0), vector
+        seconds = sum(r.seconds for r in results.values())
+        return dataclasses.replace(first, vector=vector, seconds=seconds), vector
+
+    def metrics(self) -> dict[str, float]:
+        """The last step's ``byzantine/left_out`` (ranks whose rows it did not use), ``byzantine/proofs`` (ranks proven
+        faulty by this rank in it) and ``byzantine/silent`` (ranks that missed a deadline)."""
+        outcome = self.last_outcome
+        if outcome is None:
+            return {}
+        left_out = self._members().n - len(outcome.included)
+        return {"byzantine/left_out": float(left_out), "byzantine/proofs": float(len(outcome.proofs)),
+                "byzantine/silent": float(len(outcome.silent))}  # fmt: skip
+
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+        self._transport, self._protocol = None, None
+
+
+def check_settings(
+    byzantine_ranks: Any, byzantine_timeout: Any = 10.0, aggregator: str = "median", aggregation_replicas: int = 1,
+    byzantine_rank_behaviour: Any = None, byzantine_behaving_ranks: Any = None, world_size: int | None = None,
+) -> None:  # fmt: skip
+    """The Byzantine ranks settings of ``robust_ddp_scratch`` (``None``: the world size is not known yet), each bad
+    one or bad combination refused naming the numbers."""
+    from lightning_zero.byzantine.behaviours import check_behaviour
+    from lightning_zero.byzantine.membership import check_f
+
+    if byzantine_ranks == 0 and not isinstance(byzantine_ranks, bool):
+        if byzantine_rank_behaviour is not None:
+            raise ValueError(f"byzantine_rank_behaviour={byzantine_rank_behaviour!r} needs byzantine_ranks >= 1")
+        return
+    check_f(byzantine_ranks, world_size)
+    if isinstance(byzantine_timeout, bool) or not isinstance(byzantine_timeout, (int, float)) or byzantine_timeout <= 0:
+        raise ValueError(f"byzantine_timeout={byzantine_timeout!r} is invalid: expected a number of seconds > 0")
+    if aggregator == "mean":
+        raise ValueError(
+            "byzantine_ranks needs a robust rule: a rank left out of a step sends NaN rows, which every rule but"
+            " aggregator='mean' drops"
+        )
+    if aggregation_replicas != 1:
+        raise ValueError(
+            f"aggregation_replicas={aggregation_replicas} with byzantine_ranks={byzantine_ranks}: the mode aggregates"
+            f" each shard on 2f + 1 = {2 * byzantine_ranks + 1} ranks itself; leave aggregation_replicas=1"
+        )
+    check_behaviour(byzantine_rank_behaviour, byzantine_behaving_ranks, world_size)

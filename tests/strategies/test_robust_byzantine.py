@@ -1,0 +1,92 @@
+"""``robust_ddp_scratch`` with ``byzantine_ranks=1`` on 4 real gloo processes: without a faulty rank it trains as the
+sharded aggregation of the same rule; a rank that lies is outvoted or left out, and every honest rank ends on the
+same weights."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+
+import lightning_zero
+from tests.helpers.parity import ParityConfig, fit_lightning, max_abs_diff
+from tests.helpers.workers import run_workers
+
+pytest.importorskip("cryptography")
+CONFIG = ParityConfig(world_size=4, batches_per_rank=4, max_epochs=1, gradient_clip_val=None)
+RULE = dict(aggregator="centered_clipping", f=1, aggregator_kwargs={"tau": 0.5}, worker_momentum=0.5)
+
+
+def _fits(modes: dict[str, dict]) -> dict:
+    out = {}
+    for name, mode in modes.items():
+        strategy = lightning_zero.RobustDDPStrategy(**RULE, **mode)
+        out[name] = fit_lightning(CONFIG, strategy)
+        exchange = strategy.robust_engine.exchange
+        out[f"{name}/outcome"] = getattr(exchange, "metrics", dict)()
+    return out
+
+
+BYZANTINE = {"byzantine_ranks": 1, "byzantine_timeout": 20.0}
+
+
+@pytest.mark.timeout(600)
+def test_without_faults_it_trains_as_sharded_aggregation_and_a_wrong_aggregate_changes_nothing():
+    modes = {
+        "sharded": {"sharded_aggregation": True},
+        "byzantine": BYZANTINE,
+        "wrong_aggregate": {**BYZANTINE, "byzantine_rank_behaviour": "wrong_aggregate"},  # rank 3 lies
+    }
+    ranks = run_workers(_fits, 4, modes, timeout=500)
+    for r in ranks:
+        assert max_abs_diff(r["byzantine"], r["sharded"]) <= 1e-6  # the same fit up to the order of float sums
+        assert max_abs_diff(r["byzantine"], ranks[0]["byzantine"]) == 0.0
+        # rank 3's zeroed shard results are outvoted by f + 1 = 2 honest ones every step: the same bits
+        assert max_abs_diff(r["wrong_aggregate"], ranks[0]["byzantine"]) == 0.0
+    assert all(r["wrong_aggregate/outcome"]["byzantine/proofs"] == 1.0 for r in ranks[:3])
+    assert all(r["byzantine/outcome"]["byzantine/proofs"] == 0.0 for r in ranks)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "devices", "message"),
+    [
+        ({"byzantine_ranks": 1}, 3, r"byzantine_ranks=1 needs at least 3f \+ 1 = 4 processes, got 3"),
+        ({"byzantine_ranks": 2}, 4, r"byzantine_ranks=2 needs at least 3f \+ 1 = 7 processes, got 4"),
+        ({"byzantine_ranks": 1, "aggregator": "mean"}, 4, r"byzantine_ranks needs a robust rule"),
+        (
+            {"byzantine_ranks": 1, "sharded_aggregation": True, "aggregation_replicas": 2},
+            4,
+            r"aggregation_replicas=2 with byzantine_ranks=1: .* 2f \+ 1 = 3 ranks itself",
+        ),
+        ({"byzantine_ranks": 1, "byzantine_timeout": 0}, 4, r"byzantine_timeout=0 is invalid"),
+        ({"byzantine_ranks": 1, "byzantine_rank_behaviour": "lie"}, 4, r"byzantine_rank_behaviour='lie' is invalid"),
+        ({"byzantine_rank_behaviour": "silent"}, 4, r"byzantine_rank_behaviour='silent' needs byzantine_ranks >= 1"),
+        ({"byzantine_ranks": 1, "byzantine_behaving_ranks": [4]}, 4, r"byzantine_behaving_ranks=\[4\] is invalid"),
+    ],
+)
+def test_bad_settings_are_refused_when_the_trainer_is_built(kwargs, devices, message):
+    kwargs = {"aggregator": "median", **kwargs}
+    with pytest.raises(ValueError, match=message):
+        L.Trainer(accelerator="cpu", devices=devices, strategy=lightning_zero.RobustDDPStrategy(**kwargs))
+
+
+def test_robust_zero_refuses_byzantine_ranks():
+    with pytest.raises(ValueError, match=r"byzantine_ranks=1 is not supported by robust_zero2_scratch yet"):
+        lightning_zero.RobustZeroStrategy(stage=2, aggregator="median", byzantine_ranks=1)
+
+
+@pytest.mark.timeout(600)
+def test_an_equivocating_or_silent_rank_is_left_out_of_every_step_and_the_honest_ranks_stay_identical():
+    modes = {
+        "byzantine": BYZANTINE,
+        "equivocate": {**BYZANTINE, "byzantine_rank_behaviour": "equivocate"},
+        "silent": {**BYZANTINE, "byzantine_timeout": 2.0, "byzantine_rank_behaviour": "silent"},
+    }
+    ranks = run_workers(_fits, 4, modes, timeout=500)
+    honest = ranks[:3]
+    for name in ("equivocate", "silent"):
+        for r in honest:
+            assert max_abs_diff(r[name], honest[0][name]) == 0.0, name  # safety: one model among the honest
+            assert r[f"{name}/outcome"]["byzantine/left_out"] == 1.0, name
+        assert max_abs_diff(honest[0][name], honest[0]["byzantine"]) > 1e-4, name  # rank 3's rows were not used
+    assert all(r["equivocate/outcome"]["byzantine/proofs"] == 1.0 for r in honest)
+    assert all(r["silent/outcome"]["byzantine/silent"] == 1.0 for r in honest)
