@@ -342,10 +342,10 @@ class Agreement:
         if value is None:
             return None
         digest = wire.sha256(value)
-        matching = tuple(ev for d, ev in votes.values() if d == digest)
+        matching = tuple(ev for _, (d, ev) in sorted(votes.items()) if d == digest)
         if len(matching) < self.membership.quorum:
-            return None
-        return Certificate(step, view, kind, value, matching)
+            return None  # a certificate holds exactly a quorum (the lowest ranks'): its size is known in advance
+        return Certificate(step, view, kind, value, matching[: self.membership.quorum])
 
     def _later_view(self, views: dict[int, _View], view: int) -> int | None:
         """The smallest view above ``view`` that ``f + 1`` members asked for (one of them honest), if any."""
