@@ -76,8 +76,9 @@ def pbft_step(
         return _frame(_packed(c, CLAIM, *(k * widths[s] * itemsize for s in members.shards_of(j))))
 
     entry = _packed(c, CLAIM, 1)
-    echo = _packed(*([entry] * n))
-    proposal = _packed(_packed(*([_packed(c, CLAIM)] * n)), _packed(*([_packed(INT, echo, CLAIM)] * n)))
+    echo = _packed(_packed(*([entry] * n)), _packed())  # the commitments, no proof to spread
+    entries, echoes = _packed(*([_packed(c, CLAIM)] * n)), _packed(*([_packed(INT, echo, CLAIM)] * n))
+    proposal = _packed(entries, echoes, _packed())  # no eviction
     decision = _packed(INT, proposal, *([CLAIM] * members.quorum))
 
     results = [w * itemsize for w in widths]

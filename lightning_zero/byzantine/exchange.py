@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import itertools
+import logging
 from collections.abc import Callable
 from collections.abc import Set as AbstractSet
 from typing import Any
@@ -36,6 +37,7 @@ from lightning_zero.robust.aggregation import AggregationResult, RobustAggregato
 from lightning_zero.robust.shards import ColumnShard
 from lightning_zero.robust.workers import WorkerGradients
 
+log = logging.getLogger(__name__)
 _RUNS = itertools.count()  # transports built by this process: the same sequence on every rank
 
 
@@ -57,6 +59,10 @@ class ByzantineExchange:
         self.sink: Callable[[Tensor, set[str]], None] | None = None  # robust ZeRO's; refused with this mode
         self.step = 0
         self.last_outcome: Outcome | None = None
+        self.members: Membership | None = None
+        """The membership after the last step (kept after :meth:`close`)."""
+        self.evictions: list[tuple[int, int, str]] = []
+        """``(step, rank, why)`` of every eviction in this run."""
         self._transport: SignedTransport | None = None
         self._protocol: StepProtocol | None = None
 
@@ -110,9 +116,17 @@ class ByzantineExchange:
     def aggregate(
         self, grads: WorkerGradients, aggregator: RobustAggregator, unused: AbstractSet[str] = frozenset()
     ) -> tuple[AggregationResult, Tensor]:
-        """One step of the protocol on this rank's rows; the aggregate (on the rows' device) and round 0's result."""
+        """One step of the protocol on this rank's rows; the aggregate (on the rows' device) and round 0's result.
+
+        A rank the protocol evicted takes no more part: it keeps Lightning's loop going (whose own collectives still
+        include it) with a zero aggregate, and its weights are no longer the job's."""
         protocol = self.protocol()
         rows = grads.vectors()
+        self.step += 1
+        if comm.rank() not in protocol.membership.members:
+            self.last_outcome = None
+            zero = rows.new_zeros(rows.shape[1])
+            return AggregationResult(zero, float("nan"), None, 0, 0.0), zero
         rounds = [copy.deepcopy(aggregator) for _ in protocol.membership.shards_of(comm.rank())]
         results: dict[int, AggregationResult] = {}
 
@@ -120,9 +134,13 @@ class ByzantineExchange:
             results[j] = rounds[j](stack, shard)
             return results[j].vector
 
-        outcome = protocol.run(self.step, rows.detach().cpu(), aggregate)
-        self.step += 1
-        self.last_outcome = outcome
+        outcome = protocol.run(self.step - 1, rows.detach().cpu(), aggregate)
+        self.last_outcome, self.members = outcome, protocol.membership
+        for rank in outcome.evicted:
+            proof = outcome.proofs.get(rank)
+            why = f"proof: {proof.kind}" if proof is not None else f"left out {protocol.evict_after} steps in a row"
+            self.evictions.append((self.step - 1, rank, why))
+            log.warning(f"lightning_zero: rank {rank} evicted after step {self.step - 1} ({why})")
         aggregator.generator.set_state(rounds[0].generator.get_state())
         vector = outcome.vector.to(rows.device)
         if aggregator.spec.stateful:
@@ -134,14 +152,22 @@ class ByzantineExchange:
         return dataclasses.replace(first, vector=vector, seconds=seconds), vector
 
     def metrics(self) -> dict[str, float]:
-        """The last step's ``byzantine/left_out`` (ranks whose rows it did not use), ``byzantine/proofs`` (ranks proven
-        faulty by this rank in it) and ``byzantine/silent`` (ranks that missed a deadline)."""
-        outcome = self.last_outcome
-        if outcome is None:
+        """The last step's ``byzantine/members`` (after it), ``byzantine/left_out`` (members whose rows it did not
+        use), ``byzantine/proofs`` (ranks proven faulty by this rank in it), ``byzantine/silent`` (ranks that missed
+        a deadline) and, at a step that evicts, ``byzantine/evicted_rank`` (the lowest evicted; the proof's kind is
+        in the log)."""
+        outcome, members = self.last_outcome, self.members
+        if outcome is None or members is None:
             return {}
-        left_out = self._members().n - len(outcome.included)
-        return {"byzantine/left_out": float(left_out), "byzantine/proofs": float(len(outcome.proofs)),
-                "byzantine/silent": float(len(outcome.silent))}  # fmt: skip
+        out = {
+            "byzantine/members": float(members.n),
+            "byzantine/left_out": float(members.n + len(outcome.evicted) - len(outcome.included)),
+            "byzantine/proofs": float(len(outcome.proofs)),
+            "byzantine/silent": float(len(outcome.silent)),
+        }
+        if outcome.evicted:
+            out["byzantine/evicted_rank"] = float(min(outcome.evicted))
+        return out
 
     def close(self) -> None:
         if self._transport is not None:

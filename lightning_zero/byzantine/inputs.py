@@ -27,7 +27,7 @@ another that lacks them; at most ``f`` members may be left out. Every member che
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -156,9 +156,13 @@ def check_input(
     return Held(commitment, claim, pieces)
 
 
-def echo_payload(held: Mapping[int, Held], signed: Mapping[int, tuple[bytes, Evidence]], members: Membership) -> bytes:
+def echo_payload(
+    held: Mapping[int, Held], signed: Mapping[int, tuple[bytes, Evidence]], members: Membership,
+    proofs: Sequence[bytes] = (),
+) -> bytes:  # fmt: skip
     """Every member's signed commitment this member knows (``signed``), flagged ``1`` where its columns are held
-    and checked (``held``), else ``0``; an empty part for a member it knows nothing of."""
+    and checked (``held``), else ``0``; an empty part for a member it knows nothing of. Then the encoded ``proofs``
+    this member spreads (:mod:`lightning_zero.byzantine.proofs`)."""
     parts = []
     for rank in members.members:
         if rank in signed:
@@ -167,15 +171,16 @@ def echo_payload(held: Mapping[int, Held], signed: Mapping[int, tuple[bytes, Evi
             parts.append(wire.pack([commitment, wire.pack_evidence(claim), flag]))
         else:
             parts.append(b"")
-    return wire.pack(parts)
+    return wire.pack([wire.pack(parts), wire.pack(list(proofs))])
 
 
 def read_echo(
     payload: bytes, step: int, keys: Mapping[int, bytes], members: Membership
-) -> dict[int, tuple[bytes, Evidence, bool]]:
-    """An echo's entries ``{rank: (commitment, claim, holds its columns)}``, each claim checked. Raises
-    :class:`ValueError` on an entry no honest member writes."""
-    parts = wire.unpack(payload, count=members.n)
+) -> tuple[dict[int, tuple[bytes, Evidence, bool]], list[bytes]]:
+    """An echo's entries ``{rank: (commitment, claim, holds its columns)}``, each claim checked, and the encoded
+    proofs it spreads (checked by the caller). Raises :class:`ValueError` on an entry no honest member writes."""
+    entries_raw, proofs_raw = wire.unpack(payload, count=2)
+    parts = wire.unpack(entries_raw, count=members.n)
     out = {}
     for rank, part in zip(members.members, parts):
         if part:
@@ -184,7 +189,7 @@ def read_echo(
             if flag not in (b"\x00", b"\x01") or not check_claim(claim, rank, step, commitment, keys):
                 raise ValueError(f"an echo whose entry for rank {rank} is not that rank's signed commitment")
             out[rank] = (commitment, claim, flag == b"\x01")
-    return out
+    return out, wire.unpack(proofs_raw)
 
 
 def equivocation(rank: int, a: tuple[bytes, Evidence], b: tuple[bytes, Evidence]) -> Proof | None:
@@ -196,11 +201,13 @@ def equivocation(rank: int, a: tuple[bytes, Evidence], b: tuple[bytes, Evidence]
 
 @dataclasses.dataclass(frozen=True)
 class Proposal:
-    """The step's agreed inputs: ``included`` ``{rank: (commitment, claim)}``, and the signed echoes
-    ``{sender: (payload, evidence)}`` that show ``f + 1`` holders of each included member's columns per shard."""
+    """The step's agreed inputs: ``included`` ``{rank: (commitment, claim)}``, the signed echoes ``{sender: (payload,
+    evidence)}`` that show ``f + 1`` holders of each included member's columns per shard, and ``evicted``
+    ``{rank: encoded proof}``: the members leaving after this step."""
 
     included: dict[int, tuple[bytes, Evidence]]
     echoes: dict[int, tuple[bytes, Evidence]]
+    evicted: dict[int, bytes] = dataclasses.field(default_factory=dict)
 
     def encode(self, members: Membership) -> bytes:
         entries = [
@@ -210,7 +217,8 @@ class Proposal:
         echoes = [
             wire.pack([wire.pack_int(r), payload, wire.pack_evidence(ev)]) for r, (payload, ev) in self.echoes.items()
         ]
-        return wire.pack([wire.pack(entries), wire.pack(echoes)])
+        evicted = [wire.pack([wire.pack_int(r), proof]) for r, proof in sorted(self.evicted.items())]
+        return wire.pack([wire.pack(entries), wire.pack(echoes), wire.pack(evicted)])
 
     def holders(self, step: int, keys: Mapping[int, bytes], members: Membership) -> dict[int, dict[int, set[int]]]:
         """``{rank: {shard: the aggregators whose echo holds rank's columns of that commitment}}`` (echoes checked)."""
@@ -221,7 +229,7 @@ class Proposal:
                 raise ValueError(f"an echo attributed to rank {sender} that is not its signed echo of this step")
             if ev.digest != wire.sha256(payload) or not verify_evidence(keys[sender], ev):
                 raise ValueError(f"an echo attributed to rank {sender} with a bad signature")
-            for rank, (commitment, _, holds) in read_echo(payload, step, keys, members).items():
+            for rank, (commitment, _, holds) in read_echo(payload, step, keys, members)[0].items():
                 if holds and rank in self.included and commitment == self.included[rank][0]:
                     for shard in members.shards_of(sender):
                         out[rank].setdefault(shard, set()).add(sender)
@@ -231,9 +239,11 @@ class Proposal:
 def choose(
     known: Mapping[int, tuple[bytes, Evidence]], echoes: Mapping[int, tuple[bytes, Evidence]],
     proofs: Mapping[int, Proof], step: int, keys: Mapping[int, bytes], members: Membership,
+    evictions: Mapping[int, bytes] | None = None,
 ) -> Proposal:  # fmt: skip
     """The proposal of a leader that knows the signed commitments ``known`` and received ``echoes`` (its own among
-    them): every member not proven faulty whose columns ``f + 1`` aggregators of every shard hold."""
+    them): every member not proven faulty whose columns ``f + 1`` aggregators of every shard hold; ``evictions``:
+    the encoded proofs that evict their ranks."""
     candidate = Proposal({r: v for r, v in known.items() if r not in proofs}, dict(echoes))
     holders = candidate.holders(step, keys, members)
     enough = members.acceptance
@@ -242,15 +252,17 @@ def choose(
         for r, v in candidate.included.items()
         if all(len(holders[r].get(shard, ())) >= enough for shard in range(members.n))
     }
-    return Proposal(included, dict(echoes))
+    return Proposal(included, dict(echoes), dict(evictions or {}))
 
 
 def check_proposal(
-    value: bytes, step: int, keys: Mapping[int, bytes], members: Membership, proofs: Mapping[int, Proof]
-) -> Proposal:
+    value: bytes, step: int, keys: Mapping[int, bytes], members: Membership, proofs: Mapping[int, Proof],
+    check_eviction: Callable[[int, bytes], str | None] = lambda rank, proof: "no eviction is checked here",
+) -> Proposal:  # fmt: skip
     """Decode and check a proposal ([Note: committed inputs]); raises :class:`ValueError` saying why it is not
-    acceptable to a member holding ``proofs``."""
-    entries_raw, echoes_raw = wire.unpack(value, count=2)
+    acceptable to a member holding ``proofs``; ``check_eviction(rank, proof)``: why an eviction's proof does not
+    hold, or ``None``."""
+    entries_raw, echoes_raw, evicted_raw = wire.unpack(value, count=3)
     entries = wire.unpack(entries_raw, count=members.n)
     included = {}
     for rank, entry in zip(members.members, entries):
@@ -271,7 +283,15 @@ def check_proposal(
         if sender not in members.members or sender in echoes:
             raise ValueError(f"an echo of rank {sender}, not a member or twice")
         echoes[sender] = (payload, wire.unpack_evidence(raw))
-    proposal = Proposal(included, echoes)
+    evicted = {}
+    for part in wire.unpack(evicted_raw):
+        rank_raw, proof = wire.unpack(part, count=2)
+        rank = wire.unpack_int(rank_raw)
+        why = check_eviction(rank, proof)
+        if why is not None or rank in included or rank in evicted:
+            raise ValueError(f"it evicts rank {rank} without a proof that holds: {why or 'the rank is included'}")
+        evicted[rank] = proof
+    proposal = Proposal(included, echoes, evicted)
     holders = proposal.holders(step, keys, members)
     for rank in included:
         for shard in range(members.n):

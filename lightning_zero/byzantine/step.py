@@ -43,14 +43,16 @@ import torch
 from torch import Tensor
 
 from lightning_zero.byzantine import inputs, wire
+from lightning_zero.byzantine import proofs as travelling
 from lightning_zero.byzantine.agreement import Agreement, Decision
 from lightning_zero.byzantine.inputs import ECHO, INPUT, Commitment, Held, Proof, Proposal
 from lightning_zero.byzantine.membership import Membership
+from lightning_zero.byzantine.recovery import recover
 from lightning_zero.comm.signed import Evidence, PeerGone, PeerTimeout
 from lightning_zero.robust.shards import ColumnLayout, ColumnShard
 
-REQUEST, PIECES, RESULT, TOTALS = 3, 4, 5, 16
-"""Transport phases of the request round, the columns sent on request, the results, and the first totals call."""
+RESULT, TOTALS = 5, 16
+"""Transport phases of the results and of the first totals call (1 to 4: inputs, echo, requests, pieces)."""
 
 Aggregate = Callable[[int, Tensor, ColumnShard], Tensor]
 
@@ -70,6 +72,8 @@ class Outcome:
     proofs: dict[int, Proof]
     silent: set[int]
     decision: Decision
+    evicted: tuple[int, ...] = ()
+    """The ranks that leave after this step (proven, or left out ``evict_after`` steps in a row)."""
 
 
 class StepProtocol:
@@ -81,67 +85,112 @@ class StepProtocol:
         timeout_s: each phase's deadline, and the agreement's first view's.
     """
 
-    def __init__(self, transport: Any, membership: Membership, *, timeout_s: float = 10.0) -> None:
+    def __init__(
+        self, transport: Any, membership: Membership, *, timeout_s: float = 10.0, evict_after: int | None = None
+    ) -> None:
         self.transport, self.membership, self.timeout_s = transport, membership, float(timeout_s)
+        self.evict_after = membership.f + 1 if evict_after is None else int(evict_after)
+        if self.evict_after < membership.f + 1:
+            raise ValueError(
+                f"evict_after={evict_after} is invalid for f={membership.f}: expected >= f + 1 = {membership.f + 1}"
+                " (fewer steps in a row could all be led by faulty ranks that leave an honest one out)"
+            )
         self.me = transport.rank
         self.agreement = Agreement(transport, membership, timeout_s=timeout_s)
         self._silent: set[int] = set()  # the members that missed a deadline of the running step
+        self._history: dict[int, Membership] = {}  # the membership of each step run (proofs are checked by it)
+        self._spread: dict[int, Proof] = {}  # the travelling proofs held against members still in
+        self._left_out: dict[int, int] = {}  # steps in a row each member was left out of
 
     @property
-    def _peers(self) -> list[int]:
+    def peers(self) -> list[int]:
         return [r for r in self.membership.members if r != self.me]
 
-    def _send(self, peer: int, step: int, phase: int, payload: bytes, tag: str) -> None:
+    def send(self, peer: int, step: int, phase: int, payload: bytes, tag: str) -> None:
         with contextlib.suppress(PeerGone, PeerTimeout):  # its silence shows in what it fails to send back
             self.transport.send(peer, step, phase, payload, tag=tag)
 
-    def _collect(self, step: int, phase: int, want: set[int]) -> dict[int, tuple[bytes, Evidence]]:
+    def collect(
+        self, step: int, phase: int, want: set[int], enough: Callable[[dict[int, Any]], bool] | None = None
+    ) -> dict[int, tuple[bytes, Evidence]]:
         """The ``phase`` messages of the members in ``want``, waiting at most ``timeout_s`` for all of them. A member
         that misses the deadline is silent for the rest of the step: no later phase waits for it (one timeout per
-        step, not one per phase)."""
-        want = want - self._silent
-        got: dict[int, tuple[bytes, Evidence]] = {}
+        step, not one per phase). ``enough(got)``: when what came from the others does not satisfy it, the silent
+        members get one more ``timeout_s`` (honest members that waited for different members drift apart)."""
+        got = self._gather(step, phase, want - self._silent, {})
+        if enough is not None and not enough(got):
+            got = self._gather(step, phase, want & self._silent, got, enough)
+        self._silent |= want - got.keys()
+        return got
+
+    def _gather(
+        self, step: int, phase: int, want: set[int], got: dict[int, tuple[bytes, Evidence]],
+        enough: Callable[[dict[int, Any]], bool] | None = None,
+    ) -> dict[int, tuple[bytes, Evidence]]:  # fmt: skip
+        got = dict(got)
+        want = want | got.keys()
         deadline = time.monotonic() + self.timeout_s
-        while not want <= got.keys() and time.monotonic() < deadline:
+        while not want <= got.keys() and time.monotonic() < deadline and not (enough is not None and enough(got)):
             for sender, _, payload, evidence in self.transport.take(
                 step, range(phase, phase + 1), deadline - time.monotonic()
             ):
                 if sender in want:
                     got.setdefault(sender, (payload, evidence))
-        self._silent |= want - got.keys()
         return got
 
     # ------------------------------------------------------------------------------------------------ the step
     def run(self, step: int, rows: Tensor, aggregate: Aggregate) -> Outcome:
         """One step with this member's ``(k, d)`` ``rows`` (see the module docstring)."""
         members, me, keys = self.membership, self.me, self.transport.public_keys
+        self._history[step] = members
         commit, pieces = Commitment.of(rows, members)
         encoded = commit.encode()
         claim = self.transport.sign_own(step, inputs.COMMITMENT, encoded)
-        for peer in self._peers:
+        for peer in self.peers:
             frame = inputs.input_frame(encoded, claim, [pieces[c] for c in members.shards_of(peer)])
-            self._send(peer, step, INPUT, frame, "byzantine_inputs")
+            self.send(peer, step, INPUT, frame, "byzantine_inputs")
         held: dict[int, Held] = {me: Held(encoded, claim, {c: pieces[c] for c in members.shards_of(me)})}
         signed: dict[int, tuple[bytes, Evidence]] = {me: (encoded, claim)}
         proofs: dict[int, Proof] = {}
         self._silent = set()
         self.transport.forget_before(step)
-        got = self._collect(step, INPUT, set(self._peers))
-        for sender, (payload, evidence) in got.items():
+        for sender, (payload, evidence) in self.collect(step, INPUT, set(self.peers)).items():
             try:
                 held[sender] = inputs.check_input(payload, sender, step, me, keys, members, commit)
                 signed[sender] = (held[sender].commitment, held[sender].claim)
             except ValueError as err:
                 proofs[sender] = Proof(sender, _kind(err), str(err), ((payload, evidence),))
-        # echo: every signed commitment held, to every member
-        echo = inputs.echo_payload(held, signed, members)
+        self._spread.update({r: p for r, p in proofs.items() if p.kind in travelling.SPREAD})
+        echoes = self._echo(step, held, signed, proofs, commit)
+        # agreement on the inputs and on who leaves
+
+        def propose() -> bytes:
+            evictions = {r: travelling.encode(p) for r, p in self._spread.items() if r in members.members}
+            return inputs.choose(signed, echoes, proofs, step, keys, members, evictions).encode(members)
+
+        decision = self.agreement.decide(step, propose, lambda value: self._why_not(value, step, proofs, commit))
+        proposal = inputs.check_proposal(decision.value, step, keys, members, {}, lambda r, p: None)
+        recover(self, step, proposal, held, commit)
+        vector = self._aggregate(step, proposal, held, commit, rows, aggregate, proofs)
+        self._spread.update({r: p for r, p in proofs.items() if p.kind in travelling.SPREAD})  # wrong results too
+        evicted = self._leave(proposal)
+        return Outcome(vector, tuple(sorted(proposal.included)), proofs, set(self._silent), decision, evicted)
+
+    def _echo(
+        self, step: int, held: dict[int, Held], signed: dict[int, tuple[bytes, Evidence]], proofs: dict[int, Proof],
+        commit: Commitment,
+    ) -> dict[int, tuple[bytes, Evidence]]:  # fmt: skip
+        """The echo round: every signed commitment held, and the proofs to spread, to every member; the echoes
+        received (own included), the equivocations they reveal and the proofs they carry added to ``proofs``."""
+        members, me, keys = self.membership, self.me, self.transport.public_keys
+        spread = [travelling.encode(p) for r, p in sorted(self._spread.items()) if r in members.members]
+        echo = inputs.echo_payload(held, signed, members, spread)
         echoes = {me: (echo, self.transport.sign_own(step, ECHO, echo))}
-        for peer in self._peers:
-            self._send(peer, step, ECHO, echo, "byzantine_echo")
-        got = self._collect(step, ECHO, set(self._peers))
-        for sender, (payload, evidence) in got.items():
+        for peer in self.peers:
+            self.send(peer, step, ECHO, echo, "byzantine_echo")
+        for sender, (payload, evidence) in self.collect(step, ECHO, set(self.peers)).items():
             try:
-                entries = inputs.read_echo(payload, step, keys, members)
+                entries, carried = inputs.read_echo(payload, step, keys, members)
             except ValueError as err:
                 proofs.setdefault(sender, Proof(sender, "malformed", str(err), ((payload, evidence),)))
                 continue
@@ -151,66 +200,53 @@ class StepProtocol:
                 proof = inputs.equivocation(rank, mine, (commitment, entry_claim))
                 if proof is not None:
                     proofs.setdefault(rank, proof)
-        # agreement on the inputs
-        decision = self.agreement.decide(
-            step,
-            propose=lambda: inputs.choose(signed, echoes, proofs, step, keys, members).encode(members),
-            validate=lambda value: _why_not(value, step, keys, members, proofs),
-        )
-        proposal = inputs.check_proposal(decision.value, step, keys, members, {})
-        self._recover(step, proposal, held, commit)
-        vector = self._aggregate(step, proposal, held, commit, rows, aggregate, proofs)
-        return Outcome(vector, tuple(sorted(proposal.included)), proofs, set(self._silent), decision)
-
-    # ------------------------------------------------------------------------------------------------ recovery
-    def _recover(self, step: int, proposal: Proposal, held: dict[int, Held], commit: Commitment) -> None:
-        """Columns of included members that did not reach this member, asked of the echoed holders of each shard;
-        every member answers every request for what it holds, and every answer is checked against the commitment."""
-        members, me, keys = self.membership, self.me, self.transport.public_keys
-        holders = proposal.holders(step, keys, members)
-        asks: dict[int, list[tuple[int, int]]] = {peer: [] for peer in self._peers}
-        for rank in proposal.included:
-            for shard in members.shards_of(me):
-                if rank not in held or shard not in held[rank].pieces:
-                    for holder in holders[rank].get(shard, ()):
-                        if holder in asks:
-                            asks[holder].append((rank, shard))
-        for peer in self._peers:
-            ask = wire.pack([wire.pack([wire.pack_int(r), wire.pack_int(c)]) for r, c in asks[peer]])
-            self._send(peer, step, REQUEST, ask, "byzantine_request")
-        for peer, (payload, _) in self._collect(step, REQUEST, set(self._peers)).items():
-            try:
-                wanted = [tuple(map(wire.unpack_int, wire.unpack(p, count=2))) for p in wire.unpack(payload)]
-            except ValueError:
-                continue
-            answers = [
-                wire.pack([wire.pack_int(r), wire.pack_int(c), *_held_parts(held[r]), held[r].pieces[c]])
-                for r, c in wanted
-                if r in held and c in held[r].pieces and r in proposal.included
-            ]
-            if answers:
-                self._send(peer, step, PIECES, wire.pack(answers), "byzantine_pieces")
-        if not any(asks.values()):
-            return
-        layout = ColumnLayout.contiguous(commit.width, members.n)
-        for payload, _ in self._collect(step, PIECES, {h for h, a in asks.items() if a}).values():
-            try:
-                received = [wire.unpack(a, count=5) for a in wire.unpack(payload)]
-            except ValueError:
-                continue
-            for rank_raw, shard_raw, commitment, raw, piece in received:
+                    self._spread.setdefault(rank, proof)
+            for data in carried:
                 try:
-                    rank, shard = wire.unpack_int(rank_raw), wire.unpack_int(shard_raw)
-                    claim = wire.unpack_evidence(raw)
+                    proof = travelling.decode(data)
                 except ValueError:
                     continue
-                if rank not in proposal.included or commitment != proposal.included[rank][0]:
-                    continue
-                digests = Commitment.decode(commitment, commit).digests
-                size = commit.piece_size(layout.size(shard))
-                if shard in members.shards_of(me) and len(piece) == size and wire.sha256(piece) == digests[shard]:
-                    entry = held.setdefault(rank, Held(commitment, claim, {}))
-                    entry.pieces.setdefault(shard, piece)
+                if self._check_proof(proof, commit) is None:
+                    proofs.setdefault(proof.rank, proof)
+                    self._spread.setdefault(proof.rank, proof)
+        return echoes
+
+    def _check_proof(self, proof: Proof, commit: Commitment) -> str | None:
+        members = self._history.get(travelling.step_of(proof))
+        if members is None or proof.rank not in self.membership.members:
+            return f"a proof against rank {proof.rank} of a step this member does not know, or not a member now"
+        return travelling.check(proof, self.transport.public_keys, members, commit)
+
+    def _why_not(self, value: bytes, step: int, proofs: dict[int, Proof], commit: Commitment) -> str | None:
+        """Why this member does not vote for the proposal ``value``, or ``None``."""
+
+        def eviction(rank: int, data: bytes) -> str | None:
+            try:
+                proof = travelling.decode(data)
+            except ValueError as err:
+                return str(err)
+            return self._check_proof(proof, commit) if proof.rank == rank else "a proof against another rank"
+
+        try:
+            inputs.check_proposal(value, step, self.transport.public_keys, self.membership, proofs, eviction)
+        except ValueError as err:
+            return str(err)
+        return None
+
+    def _leave(self, proposal: Proposal) -> tuple[int, ...]:
+        """The members the decided proposal evicts, and those left out ``evict_after`` steps in a row ([Note:
+        eviction]), gone from the membership of the next step."""
+        members = self.membership
+        for rank in members.members:
+            left_out = rank not in proposal.included and rank not in proposal.evicted
+            self._left_out[rank] = self._left_out.get(rank, 0) + 1 if left_out else 0
+        leaving = set(proposal.evicted) | {r for r, n in self._left_out.items() if n >= self.evict_after}
+        for rank in sorted(leaving & set(members.members)):
+            members = members.without(rank)
+            self._spread.pop(rank, None)
+            self._left_out.pop(rank, None)
+        self.membership = self.agreement.membership = members
+        return tuple(sorted(leaving))
 
     # ------------------------------------------------------------------------------------------------ aggregation
     def _aggregate(
@@ -221,17 +257,19 @@ class StepProtocol:
         layout = ColumnLayout.contiguous(commit.width, members.n)
         shards = members.shards_of(me)
         k, dtype = commit.rows, rows.dtype
-        stacks = []
+        stacks, incomplete = [], set()
         for shard in shards:
             parts = []
-            for rank in members.members:
+            for rank in range(self.transport.world_size):  # every rank of the job: the rule's n stays the same
                 piece = held[rank].pieces.get(shard) if rank in proposal.included and rank in held else None
                 if piece is None:
                     parts.append(torch.full((k, layout.size(shard)), float("nan"), dtype=dtype))
+                    if rank in proposal.included:  # columns this member could not recover: it signs nothing of it
+                        incomplete.add(shard)
                 else:
                     parts.append(inputs.piece_tensor(piece, k, dtype))
             stacks.append(torch.cat(parts))
-        totals = _Lockstep(self, step, len(shards), proofs)
+        totals = _Lockstep(self, step, len(shards), proofs, incomplete)
         results: list[Tensor | None] = [None] * len(shards)
         errors: list[BaseException] = []
 
@@ -253,12 +291,41 @@ class StepProtocol:
             raise totals.error
         if errors:
             raise errors[0]
-        mine = {s: inputs.piece_bytes(r.reshape(1, -1)) for s, r in zip(shards, results) if r is not None}
+        mine = {
+            s: inputs.piece_bytes(r.reshape(1, -1))
+            for s, r in zip(shards, results)
+            if r is not None and s not in incomplete
+        }
         accepted = self._replicated(step, RESULT, mine, "byzantine_results", proofs, "result")
         vector = rows.new_empty(commit.width)
         for shard, data in accepted.items():
             layout.put(vector, shard, inputs.piece_tensor(data, 1, dtype)[0])
         return vector
+
+    def _values(self, got: dict[int, tuple[bytes, Evidence]]) -> dict[int, dict[int, bytes]]:
+        """``{shard: {aggregator: value}}`` of per-shard messages (a part that does not parse is skipped)."""
+        values: dict[int, dict[int, bytes]] = {}
+        for sender, (data, _) in got.items():
+            try:
+                for part in wire.unpack(data):
+                    shard_raw, value = wire.unpack(part, count=2)
+                    shard = wire.unpack_int(shard_raw)
+                    if 0 <= shard < self.membership.n and sender in self.membership.aggregators(shard):
+                        values.setdefault(shard, {})[sender] = value
+            except ValueError:
+                continue
+        return values
+
+    def _settled(self, got: dict[int, tuple[bytes, Evidence]]) -> bool:
+        """Whether every shard has a value that ``f + 1`` of its aggregators sent."""
+        values, need = self._values(got), self.membership.acceptance
+        for shard in range(self.membership.n):
+            counts: dict[bytes, int] = {}
+            for value in values.get(shard, {}).values():
+                counts[value] = counts.get(value, 0) + 1
+            if not counts or max(counts.values()) < need:
+                return False
+        return True
 
     def _replicated(
         self, step: int, phase: int, mine: dict[int, bytes], tag: str, proofs: dict[int, Proof], what: str
@@ -267,20 +334,11 @@ class StepProtocol:
         signed it; an aggregator that signed another value is proven faulty (``wrong_aggregate``)."""
         members, me = self.membership, self.me
         payload = wire.pack([wire.pack([wire.pack_int(s), data]) for s, data in mine.items()])
-        for peer in self._peers:
-            self._send(peer, step, phase, payload, tag)
-        got = {me: (payload, self.transport.sign_own(step, phase, payload))}
-        got.update(self._collect(step, phase, set(self._peers)))
-        values: dict[int, dict[int, bytes]] = {}  # shard -> sender -> value
-        for sender, (data, _) in got.items():
-            try:
-                for part in wire.unpack(data):
-                    shard_raw, value = wire.unpack(part, count=2)
-                    shard = wire.unpack_int(shard_raw)
-                    if 0 <= shard < members.n and sender in members.aggregators(shard):
-                        values.setdefault(shard, {})[sender] = value
-            except ValueError:
-                continue
+        for peer in self.peers:
+            self.send(peer, step, phase, payload, tag)
+        own = {me: (payload, self.transport.sign_own(step, phase, payload))}
+        got = {**own, **self.collect(step, phase, set(self.peers), lambda more: self._settled({**own, **more}))}
+        values = self._values(got)
         accepted = {}
         for shard in range(members.n):
             counts: dict[bytes, list[int]] = {}
@@ -306,8 +364,10 @@ class StepProtocol:
 class _Lockstep:
     """The shared ``total`` of one member's rounds ([Note: Byzantine totals])."""
 
-    def __init__(self, protocol: StepProtocol, step: int, rounds: int, proofs: dict[int, Proof]) -> None:
-        self.protocol, self.step, self.proofs = protocol, step, proofs
+    def __init__(
+        self, protocol: StepProtocol, step: int, rounds: int, proofs: dict[int, Proof], incomplete: set[int]
+    ) -> None:
+        self.protocol, self.step, self.proofs, self.incomplete = protocol, step, proofs, incomplete
         self.calls = 0
         self.error: BaseException | None = None
         self._partials: list[Tensor | None] = [None] * rounds
@@ -329,7 +389,11 @@ class _Lockstep:
         try:
             partials = [p for p in self._partials if p is not None]
             like = partials[0]
-            mine = {s: inputs.piece_bytes(p.reshape(1, -1)) for s, p in zip(self._shards, partials)}
+            mine = {
+                s: inputs.piece_bytes(p.reshape(1, -1))
+                for s, p in zip(self._shards, partials)
+                if s not in self.incomplete
+            }
             phase = TOTALS + self.calls
             self.calls += 1
             accepted = self.protocol._replicated(self.step, phase, mine, "byzantine_totals", self.proofs, "partial sum")
@@ -342,17 +406,5 @@ class _Lockstep:
             raise
 
 
-def _held_parts(held: Held) -> list[bytes]:
-    return [held.commitment, wire.pack_evidence(held.claim)]
-
-
 def _kind(err: ValueError) -> str:
     return "forged_digest" if "forged digest" in str(err) else "malformed"
-
-
-def _why_not(value: bytes, step: int, keys: Any, members: Membership, proofs: dict[int, Proof]) -> str | None:
-    try:
-        inputs.check_proposal(value, step, keys, members, proofs)
-    except ValueError as err:
-        return str(err)
-    return None

@@ -101,18 +101,22 @@ def test_an_equivocating_leader_and_its_accomplices_never_split_the_honest_membe
     assert values[0] in ([b"value of 0"], [f"value of {min(honest)}".encode()])
 
 
-def test_malformed_votes_are_kept_as_proof_of_their_signer_and_the_step_still_decides():
+def test_a_malformed_proposal_is_kept_as_proof_of_its_leader_and_the_next_view_decides():
+    """Rank 0 leads view 0 with bytes that do not parse and sends garbage votes: every member must read the
+    pre-prepare it waits for, so each keeps the signed proof; view 1 (rank 1) decides."""
+
     def garbage(link: Twisted, peer: int, step: int, phase: int, payload: bytes) -> bytes | None:
+        if phase == view_phase(0, PRE_PREPARE):
+            return b"\xff" * 7
         return b"12345" if phase in (view_phase(0, PREPARE), view_phase(0, COMMIT)) else payload
 
-    out = run_agreement(4, 1, faulty={3: garbage})
-    assert decided(out, [0, 1, 2]) == [[b"value of 0"]] * 3
-    # a member keeps what it read before deciding and what had arrived by then: on a loaded machine a member may
-    # decide before rank 3's votes reach it, so at least one member holds the proof (spreading it is eviction's job)
-    proofs = [p for r in (0, 1, 2) for p in out[("misbehaviour", r)]]
-    assert proofs and {p.rank for p in proofs} == {3}
-    assert all("a prepare of 5 bytes" in p.reason or "a commit of 5 bytes" in p.reason for p in proofs)
-    assert all(verify_evidence(out["keys"][3], p.evidence) for p in proofs)  # signed by rank 3: transferable
+    out = run_agreement(4, 1, faulty={0: garbage})
+    assert decided(out, [1, 2, 3]) == [[b"value of 1"]] * 3
+    for r in (1, 2, 3):
+        proofs = [p for p in out[("misbehaviour", r)] if p.evidence.fields[3] == view_phase(0, PRE_PREPARE)]
+        assert len(proofs) == 1 and proofs[0].rank == 0 and "a part announcing 4294967295 bytes" in proofs[0].reason
+        assert verify_evidence(out["keys"][0], proofs[0].evidence)  # signed by rank 0: transferable
+        assert all(p.rank == 0 for p in out[("misbehaviour", r)])
 
 
 def test_more_silent_members_than_f_end_in_no_agreement_on_every_honest_member_not_a_hang():

@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_zero.byzantine.behaviours import BEHAVIOURS, Rewrite
+from lightning_zero.byzantine.behaviours import BEHAVIOURS, Rewrite, Twisted
+from lightning_zero.byzantine.inputs import INPUT
 from lightning_zero.byzantine.membership import Membership
 from lightning_zero.byzantine.step import StepProtocol
 from lightning_zero.robust.aggregation import RobustAggregator
@@ -32,21 +33,26 @@ def aggregator(rule: str, n: int, f: int) -> RobustAggregator:
 
 
 def run_step(
-    n: int, f: int, rule: str, faulty: dict[int, Rewrite] | None = None, wrong: set[int] = frozenset()
-) -> dict[Any, Any]:
-    """Every member runs step 0 with its rows; ``faulty``: rewrites of a member's sends; ``wrong``: members whose
-    shard results are off by one. ``{rank: Outcome or error}``."""
+    n: int, f: int, rule: str, faulty: dict[int, Rewrite] | None = None, wrong: set[int] = frozenset(),
+    steps: int = 1,
+) -> dict[Any, Any]:  # fmt: skip
+    """Every member runs steps ``0 .. steps - 1`` with its rows; ``faulty``: rewrites of a member's sends;
+    ``wrong``: members whose shard results are off by one. ``{rank: Outcome (the list of them for several steps) or
+    error}``."""
     members = Membership.of(n, f)
 
     def body(rank: int, link: Any) -> Any:
         protocol = StepProtocol(link, members, timeout_s=TIMEOUT)
-        rounds = [aggregator(rule, n, f) for _ in members.shards_of(rank)]
+        outcomes = []
+        for step in range(steps):
+            rounds = [aggregator(rule, n, f) for _ in protocol.membership.shards_of(rank)]
 
-        def aggregate(j, stack, shard):
-            vector = rounds[j](stack, shard).vector
-            return vector + 1 if rank in wrong else vector
+            def aggregate(j, stack, shard, rounds=rounds):
+                vector = rounds[j](stack, shard).vector
+                return vector + 1 if rank in wrong else vector
 
-        return protocol.run(0, rows_of(rank), aggregate)
+            outcomes.append(protocol.run(step, rows_of(rank), aggregate))
+        return outcomes[0] if steps == 1 else outcomes
 
     return run_members(n, body, faulty or {}, linger=1.0)
 
@@ -81,12 +87,13 @@ def test_equivocating_inputs_are_proven_and_left_out_on_every_honest_member():
         assert out[r].proofs[3].kind == "equivocation"
 
 
-def test_a_forged_digest_is_proven_by_its_victim_which_recovers_the_columns_from_the_holders():
-    """Rank 0, step 0's leader, forges to rank 1, which holds the proof and so rejects rank 0's proposal; ranks 2, 3
-    and 0 still decide it (a quorum), and rank 1 gets rank 0's columns from the holders the proposal names."""
+def test_a_forged_digest_is_proven_by_its_victim_spread_by_the_echo_and_evicts_the_forger():
+    """Rank 0, step 0's leader, forges to rank 1. Rank 1's echo carries the proof: every member checks it, leaves
+    rank 0 out and agrees to evict it, rank 0's own (honest) code included."""
     out = run_step(4, 1, "trimmed_mean", faulty={0: BEHAVIOURS["forged_digest"](MEMBERS)})  # to rank 1
-    check_honest(out, [1, 2, 3], "trimmed_mean", 4, 1, set())
-    assert out[1].proofs[0].kind == "forged_digest"
+    check_honest(out, [1, 2, 3], "trimmed_mean", 4, 1, {0})
+    for r in (1, 2, 3):
+        assert out[r].proofs[0].kind == "forged_digest" and out[r].evicted == (0,)
 
 
 @pytest.mark.parametrize("rule", ["median", "centered_clipping"])
@@ -109,3 +116,33 @@ def test_a_wrong_partial_sum_cannot_bend_the_totals():
     out = run_step(4, 1, "centered_clipping", faulty={1: BEHAVIOURS["wrong_partial"](MEMBERS)})
     check_honest(out, [0, 2, 3], "centered_clipping", 4, 1, set())
     assert all(out[r].proofs[1].kind == "wrong_aggregate" for r in (0, 2, 3))
+
+
+def test_columns_withheld_from_one_member_are_recovered_from_their_holders():
+    """Rank 3 sends rank 1 no input at all: no proof, but f + 1 aggregators of every shard hold its columns, so step
+    0's leader includes it, and rank 1 asks the holders for what it lacks."""
+
+    def withhold(link: Twisted, peer: int, step: int, phase: int, payload: bytes) -> bytes | None:
+        return None if (phase, peer) == (INPUT, 1) else payload
+
+    out = run_step(4, 1, "median", faulty={3: withhold})
+    check_honest(out, [0, 1, 2], "median", 4, 1, set())
+    assert not any(out[r].proofs for r in (0, 1, 2))
+
+
+def test_an_equivocating_member_is_evicted_after_the_step_that_proves_it_and_the_rest_trains_on():
+    out = run_step(4, 1, "median", faulty={3: BEHAVIOURS["equivocate"](MEMBERS)}, steps=3)
+    for r in (0, 1, 2):
+        first, *later = out[r]
+        assert first.evicted == (3,) and first.proofs[3].kind == "equivocation"
+        assert all(o.included == (0, 1, 2) and o.evicted == () for o in later)
+        assert all(torch.equal(o.vector, out[0][i].vector) for i, o in enumerate(out[r]))
+    torch.testing.assert_close(out[0][2].vector, reference("median", 4, 1, {3}), rtol=1e-6, atol=1e-6)
+
+
+def test_a_member_left_out_f_plus_1_steps_in_a_row_is_evicted():
+    out = run_step(4, 1, "median", faulty={2: silent}, steps=3)
+    for r in (0, 1, 3):
+        assert [o.included for o in out[r]] == [(0, 1, 3)] * 3
+        assert [o.evicted for o in out[r]] == [(), (2,), ()]  # evict_after = f + 1 = 2 steps
+        assert out[r][2].silent == set()  # no one waits for rank 2 any more
