@@ -27,7 +27,8 @@ from lightning_zero.byzantine import inputs, wire
 from lightning_zero.byzantine.agreement import COMMIT, PHASE_BASE, PREPARE, view_phase
 from lightning_zero.byzantine.inputs import COMMITMENT, INPUT
 from lightning_zero.byzantine.membership import Membership
-from lightning_zero.byzantine.step import RESULT, TOTALS
+from lightning_zero.byzantine.step import RESULT
+from lightning_zero.byzantine.totals import TOTALS
 
 Rewrite = Callable[["Twisted", int, int, int, bytes], "bytes | None"]
 """``(link, peer, step, phase, payload) -> what is sent instead`` (``None``: nothing)."""

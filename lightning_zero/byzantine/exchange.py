@@ -65,6 +65,7 @@ class ByzantineExchange:
         """``(step, rank, why)`` of every eviction in this run."""
         self._transport: SignedTransport | None = None
         self._protocol: StepProtocol | None = None
+        self._resumed: dict[str, Any] | None = None  # a checkpoint's state, until the protocol exists
 
     @property
     def replicas(self) -> int:
@@ -81,7 +82,23 @@ class ByzantineExchange:
     def reset(self, groups: list[list[int]] | None) -> None:
         """A new run: a new transport at its first step."""
         self.close()
-        self.step = 0
+        self.step, self._resumed = 0, None
+
+    def state_dict(self) -> dict[str, Any]:
+        """The step counter, the evictions so far and the protocol's state (membership, proofs): a checkpoint's."""
+        state: dict[str, Any] = {"step": self.step, "evictions": list(self.evictions)}
+        if self._protocol is not None:
+            state["protocol"] = self._protocol.state_dict()
+        elif self._resumed is not None and "protocol" in self._resumed:  # closed after the fit, or not started
+            state["protocol"] = self._resumed["protocol"]
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume: the step counter goes on, evicted ranks stay out (applied when the transport is built)."""
+        self.step, self._resumed = int(state["step"]), dict(state)
+        self.evictions = [(int(s), int(r), str(why)) for s, r, why in state["evictions"]]
+        if self._protocol is not None and "protocol" in state:
+            self._protocol.load_state_dict(state["protocol"])
 
     def send(self, grads: WorkerGradients, worker: int) -> None:
         """Nothing to start early: a step's messages go once every worker's rows are final."""
@@ -111,6 +128,8 @@ class ByzantineExchange:
                 # give up on them first and fail its process (a crash is a behaviour of its own).
                 timeout *= 4
             self._protocol = StepProtocol(link, members, timeout_s=timeout)
+            if self._resumed is not None and "protocol" in self._resumed:
+                self._protocol.load_state_dict(self._resumed["protocol"])
         return self._protocol
 
     def aggregate(
@@ -170,6 +189,9 @@ class ByzantineExchange:
         return out
 
     def close(self) -> None:
+        """The connections closed; the protocol's state is kept for a checkpoint saved after the fit."""
+        if self._protocol is not None:
+            self._resumed = {**(self._resumed or {}), "protocol": self._protocol.state_dict()}
         if self._transport is not None:
             self._transport.close()
         self._transport, self._protocol = None, None

@@ -48,11 +48,12 @@ from lightning_zero.byzantine.agreement import Agreement, Decision
 from lightning_zero.byzantine.inputs import ECHO, INPUT, Commitment, Held, Proof, Proposal
 from lightning_zero.byzantine.membership import Membership
 from lightning_zero.byzantine.recovery import recover
+from lightning_zero.byzantine.totals import Lockstep
 from lightning_zero.comm.signed import Evidence, PeerGone, PeerTimeout
 from lightning_zero.robust.shards import ColumnLayout, ColumnShard
 
-RESULT, TOTALS = 5, 16
-"""Transport phases of the results and of the first totals call (1 to 4: inputs, echo, requests, pieces)."""
+RESULT = 5
+"""The transport phase of the results (1 to 4: inputs, echo, requests, pieces; from 16: the totals)."""
 
 Aggregate = Callable[[int, Tensor, ColumnShard], Tensor]
 
@@ -137,6 +138,22 @@ class StepProtocol:
                 if sender in want:
                     got.setdefault(sender, (payload, evidence))
         return got
+
+    def state_dict(self) -> dict[str, Any]:
+        """The membership, the left-out streaks and the proofs still to spread (with the memberships of their
+        steps): what a resume needs to keep evicted ranks out and to go on proving."""
+        steps = {travelling.step_of(p) for p in self._spread.values()}
+        return {
+            "members": list(self.membership.members), "f": self.membership.f, "left_out": dict(self._left_out),
+            "spread": [travelling.encode(p) for p in self._spread.values()],
+            "history": {s: (list(m.members), m.f) for s, m in self._history.items() if s in steps},
+        }  # fmt: skip
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.membership = self.agreement.membership = Membership(tuple(state["members"]), state["f"])
+        self._left_out = dict(state["left_out"])
+        self._history = {int(s): Membership(tuple(m), f) for s, (m, f) in state["history"].items()}
+        self._spread = {p.rank: p for p in map(travelling.decode, state["spread"])}
 
     # ------------------------------------------------------------------------------------------------ the step
     def run(self, step: int, rows: Tensor, aggregate: Aggregate) -> Outcome:
@@ -269,7 +286,7 @@ class StepProtocol:
                 else:
                     parts.append(inputs.piece_tensor(piece, k, dtype))
             stacks.append(torch.cat(parts))
-        totals = _Lockstep(self, step, len(shards), proofs, incomplete)
+        totals = Lockstep(self, step, len(shards), proofs, incomplete)
         results: list[Tensor | None] = [None] * len(shards)
         errors: list[BaseException] = []
 
@@ -296,7 +313,7 @@ class StepProtocol:
             for s, r in zip(shards, results)
             if r is not None and s not in incomplete
         }
-        accepted = self._replicated(step, RESULT, mine, "byzantine_results", proofs, "result")
+        accepted = self.replicated(step, RESULT, mine, "byzantine_results", proofs, "result")
         vector = rows.new_empty(commit.width)
         for shard, data in accepted.items():
             layout.put(vector, shard, inputs.piece_tensor(data, 1, dtype)[0])
@@ -327,7 +344,7 @@ class StepProtocol:
                 return False
         return True
 
-    def _replicated(
+    def replicated(
         self, step: int, phase: int, mine: dict[int, bytes], tag: str, proofs: dict[int, Proof], what: str
     ) -> dict[int, bytes]:
         """Send this member's per-shard values, and return each shard's value as ``f + 1`` of its aggregators
@@ -359,51 +376,6 @@ class StepProtocol:
                         detail = f"rank {sender} signed a {what} of shard {shard} that differs from the accepted one"
                         proofs[sender] = Proof(sender, "wrong_aggregate", detail, (got[sender], *witnesses))
         return accepted
-
-
-class _Lockstep:
-    """The shared ``total`` of one member's rounds ([Note: Byzantine totals])."""
-
-    def __init__(
-        self, protocol: StepProtocol, step: int, rounds: int, proofs: dict[int, Proof], incomplete: set[int]
-    ) -> None:
-        self.protocol, self.step, self.proofs, self.incomplete = protocol, step, proofs, incomplete
-        self.calls = 0
-        self.error: BaseException | None = None
-        self._partials: list[Tensor | None] = [None] * rounds
-        self._result: Tensor | None = None
-        self._barrier = threading.Barrier(rounds, action=self._exchange, timeout=protocol.timeout_s * 4)
-        self._shards = protocol.membership.shards_of(protocol.me)
-
-    def abort(self) -> None:
-        self._barrier.abort()
-
-    def total(self, j: int, partial: Tensor) -> Tensor:
-        """Round ``j``'s partial sums -> the totals over every shard (when every round has handed its own)."""
-        self._partials[j] = partial
-        self._barrier.wait()
-        assert self._result is not None
-        return self._result.clone()
-
-    def _exchange(self) -> None:
-        try:
-            partials = [p for p in self._partials if p is not None]
-            like = partials[0]
-            mine = {
-                s: inputs.piece_bytes(p.reshape(1, -1))
-                for s, p in zip(self._shards, partials)
-                if s not in self.incomplete
-            }
-            phase = TOTALS + self.calls
-            self.calls += 1
-            accepted = self.protocol._replicated(self.step, phase, mine, "byzantine_totals", self.proofs, "partial sum")
-            total = torch.zeros_like(like)
-            for shard in range(self.protocol.membership.n):
-                total += inputs.piece_tensor(accepted[shard], 1, like.dtype).reshape(like.shape)
-            self._result = total
-        except BaseException as err:
-            self.error = err
-            raise
 
 
 def _kind(err: ValueError) -> str:

@@ -232,6 +232,26 @@ class RobustDDPStrategy(RobustFrontEnd, ScratchParallelStrategy):
 
     # ------------------------------------------------------------ checkpoints
     @override
+    def robust_state_dict(self) -> dict[str, Any]:
+        """The robust state, and with ``byzantine_ranks`` the membership and proofs ([Note: eviction])."""
+        state = super().robust_state_dict()
+        if isinstance(self.robust_engine.exchange, ByzantineExchange):
+            state["byzantine"] = self.robust_engine.exchange.state_dict()
+        return state
+
+    @override
+    def load_robust_state_dict(self, state: Mapping[str, Any]) -> None:
+        super().load_robust_state_dict(state)
+        exchange = self.robust_engine.exchange
+        if isinstance(exchange, ByzantineExchange) != ("byzantine" in state):
+            raise ValueError(
+                "the checkpoint's robust state and this run disagree on byzantine_ranks: resume a Byzantine ranks"
+                " run with byzantine_ranks set, and another run without it"
+            )
+        if isinstance(exchange, ByzantineExchange):
+            exchange.load_state_dict(state["byzantine"])
+
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         if "optimizer_states" in checkpoint:  # not for weights-only checkpoints
             checkpoint[CHECKPOINT_KEY] = self.robust_state_dict()

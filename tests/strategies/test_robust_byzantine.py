@@ -4,11 +4,15 @@ same weights."""
 
 from __future__ import annotations
 
+import dataclasses
+import os
+
 import lightning as L
 import pytest
+import torch
 
 import lightning_zero
-from tests.helpers.parity import ParityConfig, fit_lightning, max_abs_diff
+from tests.helpers.parity import ParityConfig, ParityModule, fit_lightning, make_trainer, max_abs_diff, train_loader
 from tests.helpers.workers import run_workers
 
 pytest.importorskip("cryptography")
@@ -96,3 +100,34 @@ def test_an_equivocating_or_silent_rank_is_evicted_and_the_honest_ranks_train_on
             assert r[f"{name}/evictions"] == [evicted_after], name
         assert max_abs_diff(honest[0][name], honest[0]["byzantine"]) > 1e-4, name  # rank 3's rows were not used
     assert ranks[3]["equivocate/outcome"] == {}  # the evicted rank takes no part any more
+
+
+def _fit_and_resume(tmp: str) -> dict:
+    """Two epochs with rank 3 equivocating: straight through, and one epoch saved then resumed for the second."""
+    two = ParityConfig(world_size=4, batches_per_rank=2, max_epochs=2, gradient_clip_val=None)
+    mode = {**RULE, **BYZANTINE, "byzantine_rank_behaviour": "equivocate"}
+    out = {"straight": fit_lightning(two, lightning_zero.RobustDDPStrategy(**mode))}
+    path = os.path.join(tmp, "half.ckpt")
+    L.seed_everything(two.seed, verbose=False)
+    module = ParityModule(two.lr, two.optimizer)
+    trainer = make_trainer(dataclasses.replace(two, max_epochs=1), lightning_zero.RobustDDPStrategy(**mode))
+    trainer.fit(module, train_loader(two))
+    trainer.save_checkpoint(path)
+    L.seed_everything(two.seed, verbose=False)
+    module = ParityModule(two.lr, two.optimizer)
+    strategy = lightning_zero.RobustDDPStrategy(**mode)
+    make_trainer(two, strategy).fit(module, train_loader(two), ckpt_path=path)
+    out["resumed"] = {k: v.detach().clone() for k, v in module.net.state_dict().items()}
+    out["resumed/first_step"] = strategy.robust_engine.exchange.evictions
+    out["saved"] = torch.load(path, weights_only=False)["robust_aggregation"]["byzantine"]
+    return out
+
+
+@pytest.mark.timeout(600)
+def test_a_resume_keeps_the_evicted_rank_out_and_trains_bit_identically(tmp_path):
+    ranks = run_workers(_fit_and_resume, 4, str(tmp_path), timeout=500)
+    for r in ranks[:3]:
+        assert max_abs_diff(r["resumed"], r["straight"]) == 0.0
+        assert r["resumed/first_step"] == [(0, 3, "proof: equivocation")]  # carried over, not found again
+    saved = ranks[0]["saved"]
+    assert saved["protocol"]["members"] == [0, 1, 2] and saved["protocol"]["f"] == 0 and saved["step"] == 2
