@@ -16,8 +16,9 @@ Each rank's ``--batch-size`` sequences are split into ``--workers-per-rank`` chu
 Candidates (``--candidates``): ``ddp_scratch``; ``RULE`` (unsharded: every rank all-gathers the ``(n, d)`` stack and
 aggregates all of it), ``RULE_sharded`` (each rank receives and aggregates ``n x d / N`` values, then the aggregate is
 all-gathered), ``RULE_replicated`` (sharded, ``aggregation_replicas=2``: every shard aggregated twice and the digests
-compared) and ``RULE_zero2`` (``robust_zero2_scratch``: the aggregated shard is the optimizer shard's gradient), for
-``RULE`` in mean, median, trimmed_mean, krum (``f = --f``).
+compared), ``RULE_zero2`` (``robust_zero2_scratch``: the aggregated shard is the optimizer shard's gradient) and
+``RULE_byzantine`` (``byzantine_ranks=1``, at least 4 processes: signed messages, each shard on 3 ranks, agreement on
+every step), for ``RULE`` in median, trimmed_mean, krum and mean (``f = --f``; the Byzantine mode refuses mean).
 
 Memory: at the last step's ``on_before_optimizer_step``, the strategy's model-state bytes (parameters, gradients,
 optimizer state, strategy buffers), and of the robust buffers apart: this rank's worker rows (``k x d``) and the rows it
@@ -57,7 +58,7 @@ except ImportError:
     )
 
 RULES = ("mean", "median", "trimmed_mean", "krum")
-MODES = ("", "_sharded", "_replicated", "_zero2")
+MODES = ("", "_sharded", "_replicated", "_zero2", "_byzantine")
 CANDIDATES = ("ddp_scratch", *(rule + mode for rule in RULES for mode in MODES))
 DEFAULT_CANDIDATES = ("ddp_scratch", *(rule + mode for rule in RULES for mode in ("", "_sharded")))
 MIB = 2**20
@@ -73,6 +74,8 @@ def make_strategy(name: str, args: argparse.Namespace) -> Any:
         return RobustZeroStrategy(stage=2, **robust)
     if mode == "_replicated":
         return RobustDDPStrategy(sharded_aggregation=True, aggregation_replicas=2, **robust)
+    if mode == "_byzantine":  # needs >= 4 processes: byzantine_ranks=1
+        return RobustDDPStrategy(byzantine_ranks=1, byzantine_timeout=120.0, **robust)
     return RobustDDPStrategy(sharded_aggregation=mode == "_sharded", **robust)
 
 
@@ -83,6 +86,7 @@ class MemoryProbe(L.Callback):
         self.memory: ModelStateBytes | None = None
         self.rows = self.received = 0
         self.aggregation_ms: list[float] = []
+        self.phases_ms: dict[str, list[float]] = {}  # the Byzantine ranks mode's phases, by step
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
         strategy = trainer.strategy
@@ -92,6 +96,9 @@ class MemoryProbe(L.Callback):
             self.rows = sum(t.numel() * t.element_size() for t in engine.grads.buffers)
             self.received = sum(t.numel() * t.element_size() for t in engine.received)
             self.aggregation_ms.append(engine.last_metrics["robust/aggregation_ms"])
+            outcome = getattr(engine.exchange, "last_outcome", None)
+            for phase, seconds in (outcome.seconds if outcome is not None else {}).items():
+                self.phases_ms.setdefault(phase, []).append(seconds * 1e3)
 
 
 def fit_once(name: str, args: argparse.Namespace, dataset: Any, world: int) -> tuple[list[float], MemoryProbe]:
@@ -114,6 +121,7 @@ def fit_once(name: str, args: argparse.Namespace, dataset: Any, world: int) -> t
     probe_out = MemoryProbe()  # keep the numbers, not the callback (it holds the module through Lightning's binding)
     probe_out.memory, probe_out.rows, probe_out.received = probe.memory, probe.rows, probe.received
     probe_out.aggregation_ms = probe.aggregation_ms[args.warmup :]
+    probe_out.phases_ms = {phase: ms[args.warmup :] for phase, ms in probe.phases_ms.items()}
     return timer.times, probe_out
 
 
@@ -185,6 +193,10 @@ def report(args: argparse.Namespace, config: Any, gathered: list, probes: dict[s
             f" {probe.rows / (4 * psi):6.2f} {probe.received / (4 * psi):10.2f} {total:9.1f}  "
             + " / ".join(f"{1e3 * r:.1f}" for r in rounds)
         )
+    for name in args.candidates:
+        if probes[name].phases_ms:
+            phases = ", ".join(f"{p} {statistics.median(ms):.1f}" for p, ms in probes[name].phases_ms.items())
+            print(f"\n{name}: median ms by phase on rank 0: {phases}")
     print("\nmodel states per rank at the last step, MiB (params / grads / optimizer / strategy buffers):")
     for name in args.candidates:
         m = probes[name].memory

@@ -186,6 +186,7 @@ class ByzantineExchange:
         }
         if outcome.evicted:
             out["byzantine/evicted_rank"] = float(min(outcome.evicted))
+        out.update({f"byzantine/{phase}_ms": seconds * 1e3 for phase, seconds in outcome.seconds.items()})
         return out
 
     def close(self) -> None:

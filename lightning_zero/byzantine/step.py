@@ -58,6 +58,16 @@ RESULT = 5
 Aggregate = Callable[[int, Tensor, ColumnShard], Tensor]
 
 
+class _Clock:
+    def __init__(self) -> None:
+        self.laps: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.laps[name], self._last = now - self._last, now
+
+
 class StepFailed(RuntimeError):
     """A shard's result or partial sum did not gather ``f + 1`` identical signed copies within the timeout: more
     faulty members than ``f`` among its aggregators, or messages slower than the timeout. Raised before the step is
@@ -75,6 +85,9 @@ class Outcome:
     decision: Decision
     evicted: tuple[int, ...] = ()
     """The ranks that leave after this step (proven, or left out ``evict_after`` steps in a row)."""
+    seconds: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Wall time by phase: ``inputs`` (commit, send, receive, check), ``echo``, ``agreement``, ``recovery`` and
+    ``aggregation`` (the rounds with their totals, and the results)."""
 
 
 class StepProtocol:
@@ -160,6 +173,7 @@ class StepProtocol:
         """One step with this member's ``(k, d)`` ``rows`` (see the module docstring)."""
         members, me, keys = self.membership, self.me, self.transport.public_keys
         self._history[step] = members
+        clock = _Clock()
         commit, pieces = Commitment.of(rows, members)
         encoded = commit.encode()
         claim = self.transport.sign_own(step, inputs.COMMITMENT, encoded)
@@ -178,7 +192,9 @@ class StepProtocol:
             except ValueError as err:
                 proofs[sender] = Proof(sender, _kind(err), str(err), ((payload, evidence),))
         self._spread.update({r: p for r, p in proofs.items() if p.kind in travelling.SPREAD})
+        clock.lap("inputs")
         echoes = self._echo(step, held, signed, proofs, commit)
+        clock.lap("echo")
         # agreement on the inputs and on who leaves
 
         def propose() -> bytes:
@@ -187,11 +203,16 @@ class StepProtocol:
 
         decision = self.agreement.decide(step, propose, lambda value: self._why_not(value, step, proofs, commit))
         proposal = inputs.check_proposal(decision.value, step, keys, members, {}, lambda r, p: None)
+        clock.lap("agreement")
         recover(self, step, proposal, held, commit)
+        clock.lap("recovery")
         vector = self._aggregate(step, proposal, held, commit, rows, aggregate, proofs)
+        clock.lap("aggregation")
         self._spread.update({r: p for r, p in proofs.items() if p.kind in travelling.SPREAD})  # wrong results too
         evicted = self._leave(proposal)
-        return Outcome(vector, tuple(sorted(proposal.included)), proofs, set(self._silent), decision, evicted)
+        outcome = Outcome(vector, tuple(sorted(proposal.included)), proofs, set(self._silent), decision, evicted)
+        outcome.seconds = clock.laps
+        return outcome
 
     def _echo(
         self, step: int, held: dict[int, Held], signed: dict[int, tuple[bytes, Evidence]], proofs: dict[int, Proof],
