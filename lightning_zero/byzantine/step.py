@@ -9,10 +9,11 @@ Runbook::
     outcome.vector                                  # the aggregate: the same bits on every honest member
     outcome.included, outcome.proofs, outcome.silent
 
-``aggregate(round, stack, shard)`` aggregates ``stack`` (``(n k, w)``: every member's rows of ``shard``'s columns,
-members in rank order, a left-out member's rows NaN, which the robust rules drop as non-finite) and returns the
-shard's ``(w,)`` result; the ``2f + 1`` rounds (one per shard this member aggregates) run side by side in threads,
-and ``shard.total`` is shared by them ([Note: Byzantine totals]).
+``aggregate(round, stack, shard)`` aggregates ``stack`` (``(N k, w)``: every rank's rows of ``shard``'s columns, in
+rank order, the rows of a rank left out of the step or evicted NaN, which the robust rules drop as non-finite, so
+that the rule's ``n`` stays the job's) and returns the shard's ``(w,)`` result; the ``2f + 1`` rounds (one per shard
+this member aggregates) run side by side in threads, and ``shard.total`` is shared by them ([Note: Byzantine
+totals]).
 
 [Note: Byzantine totals] Rules that sum over every coordinate (the non-finite filter, Krum's distances, centered
 clipping's norms) add per-shard partial sums ([Note: sharded aggregation] in :mod:`lightning_zero.robust.shards`).
@@ -24,9 +25,13 @@ totals, bit for bit, everywhere. The rounds of one rule make the same sequence o
 control flow depends on the totals only, never on one shard's columns.
 
 Phases, each waiting at most ``timeout_s`` for every member (a member that sends nothing in time is *silent* for the
-step): inputs and echo ([Note: committed inputs] in :mod:`lightning_zero.byzantine.inputs`), the agreement
-(:mod:`lightning_zero.byzantine.agreement`), a request round for columns that an included member did not send here
-(always run: an empty request costs a few bytes; the columns come from the echoed holders), the totals, the results.
+rest of the step, so that it costs one timeout, not one per phase; where ``f + 1`` agreeing copies of a result are
+short without it, it gets one more timeout): inputs and echo ([Note: committed inputs] in
+:mod:`lightning_zero.byzantine.inputs`; the echo also spreads proofs), the agreement
+(:mod:`lightning_zero.byzantine.agreement`) on the inputs and on evictions ([Note: eviction] in
+:mod:`lightning_zero.byzantine.proofs`), a request round for columns an included member did not send here
+(:mod:`lightning_zero.byzantine.recovery`), the totals, the results. A member that could not recover an included
+member's columns of a shard signs no partial sum or result of it: it would be proven wrong.
 """
 
 from __future__ import annotations

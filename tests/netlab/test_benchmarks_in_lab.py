@@ -1,7 +1,8 @@
 """Every benchmark in ``benchmarks/`` runs inside the lab unchanged: its own smoke command after ``--``, on 2 nodes.
 
-``benchmarks/gpu_step_time.py`` is the one exception: a single-process GPU script that refuses torchrun, so it has no
-place in a lab of CPU nodes. About 20 s a benchmark; needs root and iproute2, as the other real-lab tests.
+``benchmarks/gpu_step_time.py`` is one exception: a single-process GPU script that refuses torchrun, so it has no
+place in a lab of CPU nodes; ``benchmarks/byzantine_scale.py`` the other: formulas, no communication. About 20 s a
+benchmark; needs root and iproute2, as the other real-lab tests.
 
 Run by hand (``python -m pytest -m lab_benchmarks``), not in CI: a torchrun job of ``benchmarks/step_time.py`` or
 ``benchmarks/tensor_parallel.py`` sometimes aborts at interpreter exit, after its report and
@@ -48,7 +49,9 @@ SMOKE = {
         "ddp_powersgd: bytes of the last step",
     ),
 }
-NOT_IN_A_LAB = {"gpu_step_time.py", "gpt.py", "processes.py"}  # a GPU script, and two modules the others import
+# A GPU script, two modules the others import, and formulas that send nothing (byzantine_scale.py prints
+# lightning_zero/byzantine/costs.py's counts; the ledger test checks those against real steps).
+NOT_IN_A_LAB = {"gpu_step_time.py", "gpt.py", "processes.py", "byzantine_scale.py"}
 
 
 def test_every_benchmark_has_a_lab_run() -> None:
