@@ -90,8 +90,8 @@ def _zeroed_values(phases: Callable[[int], bool]) -> Callable[[Membership], Rewr
         def rewrite(link: Twisted, peer: int, step: int, phase: int, payload: bytes) -> bytes | None:
             if not phases(phase):
                 return payload
-            parts = [wire.unpack(p, count=2) for p in wire.unpack(payload)]
-            return wire.pack([wire.pack([shard, bytes(len(value))]) for shard, value in parts])
+            values = wire.unpack_shard_values(payload)
+            return wire.pack_shard_values({shard: bytes(len(value)) for shard, value in values.items()})
 
         return rewrite
 

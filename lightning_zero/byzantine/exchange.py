@@ -28,8 +28,8 @@ from typing import Any
 
 from torch import Tensor
 
-from lightning_zero.byzantine.behaviours import BEHAVIOURS, Twisted
-from lightning_zero.byzantine.membership import Membership
+from lightning_zero.byzantine.behaviours import BEHAVIOURS, Twisted, check_behaviour
+from lightning_zero.byzantine.membership import Membership, check_f
 from lightning_zero.byzantine.step import Outcome, StepProtocol
 from lightning_zero.comm import collectives as comm
 from lightning_zero.comm.signed import SignedTransport
@@ -204,9 +204,6 @@ def check_settings(
 ) -> None:  # fmt: skip
     """The Byzantine ranks settings of ``robust_ddp_scratch`` (``None``: the world size is not known yet), each bad
     one or bad combination refused naming the numbers."""
-    from lightning_zero.byzantine.behaviours import check_behaviour
-    from lightning_zero.byzantine.membership import check_f
-
     if byzantine_ranks == 0 and not isinstance(byzantine_ranks, bool):
         if byzantine_rank_behaviour is not None:
             raise ValueError(f"byzantine_rank_behaviour={byzantine_rank_behaviour!r} needs byzantine_ranks >= 1")

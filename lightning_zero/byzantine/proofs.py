@@ -104,22 +104,14 @@ def check(proof: Proof, keys: Mapping[int, bytes], members: Membership, expected
     return _check_wrong_aggregate(proof, members, step)
 
 
-def _values(payload: bytes) -> dict[int, bytes]:
-    out = {}
-    for part in wire.unpack(payload):
-        shard, value = wire.unpack(part, count=2)
-        out[wire.unpack_int(shard)] = value
-    return out
-
-
 def _check_wrong_aggregate(proof: Proof, members: Membership, step: int) -> str | None:
     (payload, ev), *witnesses = proof.messages
     phase = ev.fields[3]
     if ev.fields[0] != proof.rank or any(w.fields[2:4] != (step, phase) for _, w in witnesses):
         return "a wrong-aggregate proof whose frames are not of one step and phase"
     try:
-        sent = _values(payload)
-        seen = {w.fields[0]: _values(p) for p, w in witnesses}
+        sent = wire.unpack_shard_values(payload)
+        seen = {w.fields[0]: wire.unpack_shard_values(p) for p, w in witnesses}
     except ValueError:
         return "a wrong-aggregate proof holding a frame that does not parse"
     for shard, value in sent.items():

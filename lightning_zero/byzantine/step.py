@@ -289,6 +289,10 @@ class StepProtocol:
             self._spread.pop(rank, None)
             self._left_out.pop(rank, None)
         self.membership = self.agreement.membership = members
+        # Keep the memberships a proof may still be checked against: this step's (its proofs travel in the next
+        # echo) and those of the proofs still spread; not one per step of the run.
+        keep = {max(self._history)} | {travelling.step_of(p) for p in self._spread.values()}
+        self._history = {s: m for s, m in self._history.items() if s in keep}
         return tuple(sorted(leaving))
 
     # ------------------------------------------------------------------------------------------------ aggregation
@@ -350,13 +354,12 @@ class StepProtocol:
         values: dict[int, dict[int, bytes]] = {}
         for sender, (data, _) in got.items():
             try:
-                for part in wire.unpack(data):
-                    shard_raw, value = wire.unpack(part, count=2)
-                    shard = wire.unpack_int(shard_raw)
-                    if 0 <= shard < self.membership.n and sender in self.membership.aggregators(shard):
-                        values.setdefault(shard, {})[sender] = value
+                sent = wire.unpack_shard_values(data)
             except ValueError:
                 continue
+            for shard, value in sent.items():
+                if 0 <= shard < self.membership.n and sender in self.membership.aggregators(shard):
+                    values.setdefault(shard, {})[sender] = value
         return values
 
     def _settled(self, got: dict[int, tuple[bytes, Evidence]]) -> bool:
@@ -376,7 +379,7 @@ class StepProtocol:
         """Send this member's per-shard values, and return each shard's value as ``f + 1`` of its aggregators
         signed it; an aggregator that signed another value is proven faulty (``wrong_aggregate``)."""
         members, me = self.membership, self.me
-        payload = wire.pack([wire.pack([wire.pack_int(s), data]) for s, data in mine.items()])
+        payload = wire.pack_shard_values(mine)
         for peer in self.peers:
             self.send(peer, step, phase, payload, tag)
         own = {me: (payload, self.transport.sign_own(step, phase, payload))}

@@ -59,5 +59,19 @@ def unpack_evidence(data: bytes) -> Evidence:
     return Evidence(data[: HEADER.size], data[HEADER.size : HEADER.size + 32], data[HEADER.size + 32 :])
 
 
+def pack_shard_values(values: dict[int, bytes]) -> bytes:
+    """Per-shard values (a member's shard results or partial sums) as one payload: ``(shard, value)`` parts."""
+    return pack([pack([pack_int(shard), value]) for shard, value in values.items()])
+
+
+def unpack_shard_values(data: bytes) -> dict[int, bytes]:
+    """:func:`pack_shard_values` undone."""
+    out = {}
+    for part in unpack(data):
+        shard, value = unpack(part, count=2)
+        out[unpack_int(shard)] = value
+    return out
+
+
 def sha256(data: bytes) -> bytes:
     return hashlib.sha256(data).digest()
