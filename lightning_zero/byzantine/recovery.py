@@ -5,8 +5,10 @@ Runbook (inside :meth:`lightning_zero.byzantine.step.StepProtocol.run`, after th
 
     recover(protocol, step, proposal, held, commit)   # held[rank].pieces gains what was missing
 
-The round always runs (an empty request costs a header and a signature per peer): every member must answer the
-requests it gets, and cannot know in advance that none will come.
+The request round always runs (an empty request costs a header and a signature per peer): every member must answer
+the requests it gets, and cannot know in advance that none will come. So does the wait for pieces, at once over when
+nothing was asked: it keeps this member's rounds on the schedule of the others ([Note: rounds] in
+:mod:`lightning_zero.byzantine.step`).
 """
 
 from __future__ import annotations
@@ -49,8 +51,6 @@ def recover(protocol: Any, step: int, proposal: Proposal, held: dict[int, Held],
                 answers.append(wire.pack([*parts, h.pieces[shard]]))
         if answers:
             protocol.send(peer, step, PIECES, wire.pack(answers), "byzantine_pieces")
-    if not any(asks.values()):
-        return
     layout = ColumnLayout.contiguous(commit.width, members.n)
     needed = {pair for pairs in asks.values() for pair in pairs}
 

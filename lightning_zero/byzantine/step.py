@@ -24,14 +24,24 @@ the member sends all its shards' ``t``-th partials (signed) to every member, and
 totals, bit for bit, everywhere. The rounds of one rule make the same sequence of ``total`` calls because its
 control flow depends on the totals only, never on one shard's columns.
 
-Phases, each waiting at most ``timeout_s`` for every member (a member that sends nothing in time is *silent* for the
-rest of the step, so that it costs one timeout, not one per phase; where ``f + 1`` agreeing copies of a result are
-short without it, it gets one more timeout): inputs and echo ([Note: committed inputs] in
+Phases, each waiting for every member until the end of its round ([Note: rounds]; a member that sends nothing in
+time is *silent* for the rest of the step, so that it costs one timeout, not one per phase; where ``f + 1`` agreeing
+copies of a result are short without it, it gets one more round): inputs and echo ([Note: committed inputs] in
 :mod:`lightning_zero.byzantine.inputs`; the echo also spreads proofs), the agreement
 (:mod:`lightning_zero.byzantine.agreement`) on the inputs and on evictions ([Note: eviction] in
 :mod:`lightning_zero.byzantine.proofs`), a request round for columns an included member did not send here
 (:mod:`lightning_zero.byzantine.recovery`), the totals, the results. A member that could not recover an included
 member's columns of a shard signs no partial sum or result of it: it would be proven wrong.
+
+[Note: rounds] An honest member can be late by a whole timeout: it waited that long for a silent member in the
+previous phase. Were each phase's deadline ``timeout_s`` after the waiter's own start, a late honest member's message
+would race that deadline, lose it about one time in three, be taken for silent, and miss its requests and results
+(the step then fails on every member). So the phases run in rounds on a schedule: round ``i`` of a member ends
+``timeout_s`` after round ``i - 1`` ended on the schedule (or after now, if later), the schedule starting with the step
+and again when the agreement decides (which the honest members leave together). A member that finishes a round late
+still finishes it by the schedule, and the others wait for its next message until the end of the next round: a whole
+``timeout_s`` past the earliest it could send. Every honest member runs the same rounds (a phase with a second chance
+always takes two, the request round for pieces always runs, asked for or not), so the schedules agree.
 """
 
 from __future__ import annotations
@@ -117,6 +127,7 @@ class StepProtocol:
         self.me = transport.rank
         self.agreement = Agreement(transport, membership, timeout_s=timeout_s)
         self._silent: set[int] = set()  # the members that missed a deadline of the running step
+        self._schedule = time.monotonic()  # the end of the last round on the schedule ([Note: rounds])
         self._history: dict[int, Membership] = {}  # the membership of each step run (proofs are checked by it)
         self._spread: dict[int, Proof] = {}  # the travelling proofs held against members still in
         self._left_out: dict[int, int] = {}  # steps in a row each member was left out of
@@ -132,23 +143,30 @@ class StepProtocol:
     def collect(
         self, step: int, phase: int, want: set[int], enough: Callable[[dict[int, Any]], bool] | None = None
     ) -> dict[int, tuple[bytes, Evidence]]:
-        """The ``phase`` messages of the members in ``want``, waiting at most ``timeout_s`` for all of them. A member
-        that misses the deadline is silent for the rest of the step: no later phase waits for it (one timeout per
-        step, not one per phase). ``enough(got)``: when what came from the others does not satisfy it, the silent
-        members get one more ``timeout_s`` (honest members that waited for different members drift apart)."""
-        got = self._gather(step, phase, want - self._silent, {})
-        if enough is not None and not enough(got):
-            got = self._gather(step, phase, want & self._silent, got, enough)
+        """The ``phase`` messages of the members in ``want``, waiting for all of them until the end of the next
+        round ([Note: rounds]). A member that misses it is silent for the rest of the step: no later phase waits for
+        it (one timeout per step, not one per phase). ``enough(got)``: when what came from the others does not
+        satisfy it, the silent members get one more round (honest members that waited for different members drift
+        apart); the round is on the schedule whether it is used or not."""
+        got = self._gather(step, phase, want - self._silent, {}, self._round())
+        if enough is not None:
+            second = self._round()
+            if not enough(got):
+                got = self._gather(step, phase, want & self._silent, got, second, enough)
         self._silent |= want - got.keys()
         return got
 
+    def _round(self) -> float:
+        """The end of this member's next round: ``timeout_s`` after the last one's, and at least after now."""
+        self._schedule = max(self._schedule, time.monotonic()) + self.timeout_s
+        return self._schedule
+
     def _gather(
-        self, step: int, phase: int, want: set[int], got: dict[int, tuple[bytes, Evidence]],
+        self, step: int, phase: int, want: set[int], got: dict[int, tuple[bytes, Evidence]], deadline: float,
         enough: Callable[[dict[int, Any]], bool] | None = None,
     ) -> dict[int, tuple[bytes, Evidence]]:  # fmt: skip
         got = dict(got)
         want = want | got.keys()
-        deadline = time.monotonic() + self.timeout_s
         while not want <= got.keys() and time.monotonic() < deadline and not (enough is not None and enough(got)):
             for sender, _, payload, evidence in self.transport.take(
                 step, range(phase, phase + 1), deadline - time.monotonic()
@@ -188,7 +206,7 @@ class StepProtocol:
         held: dict[int, Held] = {me: Held(encoded, claim, {c: pieces[c] for c in members.shards_of(me)})}
         signed: dict[int, tuple[bytes, Evidence]] = {me: (encoded, claim)}
         proofs: dict[int, Proof] = {}
-        self._silent = set()
+        self._silent, self._schedule = set(), time.monotonic()
         self.transport.forget_before(step)
         for sender, (payload, evidence) in self.collect(step, INPUT, set(self.peers)).items():
             try:
@@ -208,6 +226,7 @@ class StepProtocol:
 
         decision = self.agreement.decide(step, propose, lambda value: self._why_not(value, step, proofs, commit))
         proposal = inputs.check_proposal(decision.value, step, keys, members, {}, lambda r, p: None)
+        self._schedule = time.monotonic()  # the honest members leave the agreement together ([Note: rounds])
         clock.lap("agreement")
         recover(self, step, proposal, held, commit)
         clock.lap("recovery")
