@@ -13,11 +13,16 @@ ranks build are about messages the rank really signed:
 - ``equivocate``: to every peer but its first, shard columns scaled by -5 under a second signed commitment;
 - ``forged_digest``: to its first peer, zeroed columns under its true commitment;
 - ``wrong_aggregate``: zeroed shard results; ``wrong_partial``: zeroed partial sums of the totals;
-- ``wrong_vote``: agreement votes for a value no one proposed.
+- ``wrong_vote``: agreement votes for a value no one proposed;
+- ``slow_under``, ``slow_over``: each step's first message sent 0.8 or 1.25 timeouts late (a straggler just inside
+  the deadline, which the others wait for, and one just past it, left out and then evicted);
+- ``crash``: the rank's connections closed at step 1, as a process that died would leave them (in a fit, the
+  process exits).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -32,13 +37,26 @@ from lightning_zero.byzantine.totals import TOTALS
 
 Rewrite = Callable[["Twisted", int, int, int, bytes], "bytes | None"]
 """``(link, peer, step, phase, payload) -> what is sent instead`` (``None``: nothing)."""
+Behaviour = Callable[[Membership, float], Rewrite]
+"""``(members, timeout_s) -> the rewrite`` of a rank of ``members`` whose honest peers wait ``timeout_s``."""
+SLOW = {"slow_under": 0.8, "slow_over": 1.25}
+"""The slow behaviours' delay of each step's first message, in timeouts."""
+CRASH_STEP = 1
+"""The step at whose first message ``crash`` closes the rank's connections."""
 
 
 class Twisted:
-    """A faulty rank's transport: ``rewrite`` replaces what it sends; ``sign_own`` signs what it forges."""
+    """A faulty rank's transport: ``rewrite`` replaces what it sends; ``sign_own`` signs what it forges;
+    ``crash()``, the end of the ``crash`` behaviour (default: raise :class:`Crashed`; a fit's process exits)."""
 
-    def __init__(self, inner: Any, rewrite: Rewrite) -> None:
-        self.inner, self.rewrite = inner, rewrite
+    def __init__(self, inner: Any, rewrite: Rewrite, crash: Callable[[str], None] | None = None) -> None:
+        self.inner, self.rewrite, self._crash = inner, rewrite, crash
+
+    def crash(self, why: str) -> None:
+        self.inner.close()  # the peers see the connections drop, as when a process dies
+        if self._crash is not None:
+            self._crash(why)
+        raise Crashed(why)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -49,7 +67,7 @@ class Twisted:
             self.inner.send(peer, step, phase, out, tag=tag)
 
 
-def _silent(members: Membership) -> Rewrite:
+def _silent(members: Membership, timeout_s: float) -> Rewrite:
     return lambda link, peer, step, phase, payload: None
 
 
@@ -57,7 +75,7 @@ def _first_peer(members: Membership, rank: int) -> int:
     return next(r for r in members.members if r != rank)
 
 
-def _equivocate(members: Membership) -> Rewrite:
+def _equivocate(members: Membership, timeout_s: float) -> Rewrite:
     def rewrite(link: Twisted, peer: int, step: int, phase: int, payload: bytes) -> bytes | None:
         if phase != INPUT or peer == _first_peer(members, link.rank):
             return payload
@@ -75,7 +93,7 @@ def _equivocate(members: Membership) -> Rewrite:
     return rewrite
 
 
-def _forged_digest(members: Membership) -> Rewrite:
+def _forged_digest(members: Membership, timeout_s: float) -> Rewrite:
     def rewrite(link: Twisted, peer: int, step: int, phase: int, payload: bytes) -> bytes | None:
         if phase != INPUT or peer != _first_peer(members, link.rank):
             return payload
@@ -85,8 +103,8 @@ def _forged_digest(members: Membership) -> Rewrite:
     return rewrite
 
 
-def _zeroed_values(phases: Callable[[int], bool]) -> Callable[[Membership], Rewrite]:
-    def make(members: Membership) -> Rewrite:
+def _zeroed_values(phases: Callable[[int], bool]) -> Behaviour:
+    def make(members: Membership, timeout_s: float) -> Rewrite:
         def rewrite(link: Twisted, peer: int, step: int, phase: int, payload: bytes) -> bytes | None:
             if not phases(phase):
                 return payload
@@ -98,20 +116,47 @@ def _zeroed_values(phases: Callable[[int], bool]) -> Callable[[Membership], Rewr
     return make
 
 
-def _wrong_vote(members: Membership) -> Rewrite:
+def _wrong_vote(members: Membership, timeout_s: float) -> Rewrite:
     votes = {view_phase(v, k) for v in range(members.n) for k in (PREPARE, COMMIT)}
     return lambda link, peer, step, phase, payload: wire.sha256(b"no one proposed this") if phase in votes else payload
 
 
-BEHAVIOURS: dict[str, Callable[[Membership], Rewrite]] = {
+def _slow(timeouts: float) -> Behaviour:
+    def make(members: Membership, timeout_s: float) -> Rewrite:
+        def rewrite(link: Twisted, peer: int, step: int, phase: int, payload: bytes) -> bytes | None:
+            if phase == INPUT and peer == _first_peer(members, link.rank):  # every later message waits behind it
+                time.sleep(timeouts * timeout_s)
+            return payload
+
+        return rewrite
+
+    return make
+
+
+def _crash(members: Membership, timeout_s: float) -> Rewrite:
+    def rewrite(link: Twisted, peer: int, step: int, phase: int, payload: bytes) -> bytes | None:
+        if step >= CRASH_STEP:
+            link.crash(f"rank {link.rank} crashed at step {step} (byzantine_rank_behaviour='crash')")
+        return payload
+
+    return rewrite
+
+
+class Crashed(RuntimeError):
+    """Raised by the ``crash`` behaviour in the crashing rank's own code (a fit's process exits on it)."""
+
+
+BEHAVIOURS: dict[str, Behaviour] = {
     "silent": _silent,
     "equivocate": _equivocate,
     "forged_digest": _forged_digest,
     "wrong_aggregate": _zeroed_values(lambda phase: phase == RESULT),
     "wrong_partial": _zeroed_values(lambda phase: TOTALS <= phase < PHASE_BASE),
     "wrong_vote": _wrong_vote,
+    **{name: _slow(timeouts) for name, timeouts in SLOW.items()},
+    "crash": _crash,
 }
-"""The behaviours by name; each makes the rewrite of a rank of ``members``."""
+"""The behaviours by name."""
 
 
 def check_behaviour(behaviour: object, ranks: object, world_size: int | None = None) -> None:

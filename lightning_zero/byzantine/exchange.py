@@ -22,6 +22,7 @@ import copy
 import dataclasses
 import itertools
 import logging
+import os
 from collections.abc import Callable
 from collections.abc import Set as AbstractSet
 from typing import Any
@@ -29,6 +30,7 @@ from typing import Any
 from torch import Tensor
 
 from lightning_zero.byzantine.behaviours import BEHAVIOURS, Twisted, check_behaviour
+from lightning_zero.byzantine.collectives import TolerantCollectives
 from lightning_zero.byzantine.membership import Membership, check_f
 from lightning_zero.byzantine.step import Outcome, StepProtocol
 from lightning_zero.comm import collectives as comm
@@ -66,6 +68,13 @@ class ByzantineExchange:
         self._transport: SignedTransport | None = None
         self._protocol: StepProtocol | None = None
         self._resumed: dict[str, Any] | None = None  # a checkpoint's state, until the protocol exists
+        self.collectives = TolerantCollectives(self)
+        """Lightning's collectives over the signed transport, while :attr:`running`."""
+
+    @property
+    def running(self) -> bool:
+        """Whether the step protocol's transport is up (from the first step to :meth:`close`)."""
+        return self._protocol is not None
 
     @property
     def replicas(self) -> int:
@@ -107,6 +116,10 @@ class ByzantineExchange:
         """The rule's centre is the agreed aggregate, whole on every rank."""
         return center
 
+    def gather_rows(self, rows: Tensor, out: Tensor) -> Tensor:
+        """Every rank's worker rows for a checkpoint ([Note: tolerant collectives]; zeros for a rank gone)."""
+        return out.copy_(self.collectives.gather_rows(rows))
+
     def _members(self) -> Membership:
         return Membership.of(comm.world_size(), self.f)
 
@@ -123,7 +136,7 @@ class ByzantineExchange:
             link: Any = transport
             timeout = self.timeout_s
             if self.behaviour is not None and rank in behaving:
-                link = Twisted(transport, BEHAVIOURS[self.behaviour](members))
+                link = Twisted(transport, BEHAVIOURS[self.behaviour](members, self.timeout_s), crash=_exit)
                 # The faulty rank's own (honest) code must trail the honest ranks, which wait for it, rather than
                 # give up on them first and fail its process (a crash is a behaviour of its own).
                 timeout *= 4
@@ -196,6 +209,16 @@ class ByzantineExchange:
         if self._transport is not None:
             self._transport.close()
         self._transport, self._protocol = None, None
+
+
+def _exit(why: str) -> None:
+    """The ``crash`` behaviour in a fit: the process ends where it stands, no teardown, no word to anyone."""
+    log.warning(f"lightning_zero: {why}")
+    os._exit(CRASH_EXIT)
+
+
+CRASH_EXIT = 75
+"""The exit status of a rank that played ``crash``."""
 
 
 def check_settings(

@@ -57,13 +57,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_zero.byzantine import inputs, wire
+from lightning_zero.byzantine import inputs
 from lightning_zero.byzantine import proofs as travelling
 from lightning_zero.byzantine.agreement import Agreement, Decision
 from lightning_zero.byzantine.inputs import ECHO, INPUT, Commitment, Held, Proof, Proposal
 from lightning_zero.byzantine.membership import Membership
 from lightning_zero.byzantine.recovery import recover
-from lightning_zero.byzantine.totals import Lockstep
+from lightning_zero.byzantine.totals import Lockstep, replicated
 from lightning_zero.comm.signed import Evidence, PeerGone, PeerTimeout
 from lightning_zero.robust.shards import ColumnLayout, ColumnShard
 
@@ -81,12 +81,6 @@ class _Clock:
     def lap(self, name: str) -> None:
         now = time.perf_counter()
         self.laps[name], self._last = now - self._last, now
-
-
-class StepFailed(RuntimeError):
-    """A shard's result or partial sum did not gather ``f + 1`` identical signed copies within the timeout: more
-    faulty members than ``f`` among its aggregators, or messages slower than the timeout. Raised before the step is
-    applied."""
 
 
 @dataclasses.dataclass
@@ -362,68 +356,11 @@ class StepProtocol:
             for s, r in zip(shards, results)
             if r is not None and s not in incomplete
         }
-        accepted = self.replicated(step, RESULT, mine, "byzantine_results", proofs, "result")
+        accepted = replicated(self, step, RESULT, mine, "byzantine_results", proofs, "result")
         vector = rows.new_empty(commit.width)
         for shard, data in accepted.items():
             layout.put(vector, shard, inputs.piece_tensor(data, 1, dtype)[0])
         return vector
-
-    def _values(self, got: dict[int, tuple[bytes, Evidence]]) -> dict[int, dict[int, bytes]]:
-        """``{shard: {aggregator: value}}`` of per-shard messages (a part that does not parse is skipped)."""
-        values: dict[int, dict[int, bytes]] = {}
-        for sender, (data, _) in got.items():
-            try:
-                sent = wire.unpack_shard_values(data)
-            except ValueError:
-                continue
-            for shard, value in sent.items():
-                if 0 <= shard < self.membership.n and sender in self.membership.aggregators(shard):
-                    values.setdefault(shard, {})[sender] = value
-        return values
-
-    def _settled(self, got: dict[int, tuple[bytes, Evidence]]) -> bool:
-        """Whether every shard has a value that ``f + 1`` of its aggregators sent."""
-        values, need = self._values(got), self.membership.acceptance
-        for shard in range(self.membership.n):
-            counts: dict[bytes, int] = {}
-            for value in values.get(shard, {}).values():
-                counts[value] = counts.get(value, 0) + 1
-            if not counts or max(counts.values()) < need:
-                return False
-        return True
-
-    def replicated(
-        self, step: int, phase: int, mine: dict[int, bytes], tag: str, proofs: dict[int, Proof], what: str
-    ) -> dict[int, bytes]:
-        """Send this member's per-shard values, and return each shard's value as ``f + 1`` of its aggregators
-        signed it; an aggregator that signed another value is proven faulty (``wrong_aggregate``)."""
-        members, me = self.membership, self.me
-        payload = wire.pack_shard_values(mine)
-        for peer in self.peers:
-            self.send(peer, step, phase, payload, tag)
-        own = {me: (payload, self.transport.sign_own(step, phase, payload))}
-        got = {**own, **self.collect(step, phase, set(self.peers), lambda more: self._settled({**own, **more}))}
-        values = self._values(got)
-        accepted = {}
-        for shard in range(members.n):
-            counts: dict[bytes, list[int]] = {}
-            for sender, value in values.get(shard, {}).items():
-                counts.setdefault(value, []).append(sender)
-            agreed = [v for v, senders in counts.items() if len(senders) >= members.acceptance]
-            if not agreed:
-                raise StepFailed(
-                    f"lightning_zero: rank {me}, step {step}: no {what} of shard {shard} was signed identically by"
-                    f" f + 1 = {members.acceptance} of its aggregators {list(members.aggregators(shard))}"
-                    f" ({sum(map(len, counts.values()))} answered in {self.timeout_s:g} s)"
-                )
-            accepted[shard] = agreed[0]
-            witnesses = tuple(got[s] for s in counts[agreed[0]][: members.acceptance])
-            for value, senders in counts.items():
-                for sender in senders:
-                    if value != agreed[0] and sender not in proofs:
-                        detail = f"rank {sender} signed a {what} of shard {shard} that differs from the accepted one"
-                        proofs[sender] = Proof(sender, "wrong_aggregate", detail, (got[sender], *witnesses))
-        return accepted
 
 
 def _kind(err: ValueError) -> str:

@@ -6,6 +6,10 @@ Runbook (inside :meth:`lightning_zero.byzantine.step.StepProtocol.run`)::
 
     totals = Lockstep(protocol, step, rounds=2 * f + 1, proofs=proofs, incomplete=set())
     shard = ColumnShard(..., total=functools.partial(totals.total, j))   # round j's, in its own thread
+    accepted = replicated(protocol, step, RESULT, mine, "byzantine_results", proofs, "result")   # the results too
+
+:func:`replicated` is the exchange both share: per-shard values signed by their aggregators, each shard's accepted
+where ``f + 1`` of them agree.
 """
 
 from __future__ import annotations
@@ -16,8 +20,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_zero.byzantine import inputs
+from lightning_zero.byzantine import inputs, wire
 from lightning_zero.byzantine.inputs import Proof
+from lightning_zero.comm.signed import Evidence
 
 TOTALS = 16
 """The transport phase of the first call of ``total`` in a step (the ``t``-th: ``TOTALS + t``)."""
@@ -56,7 +61,7 @@ class Lockstep:
             }
             phase = TOTALS + self.calls
             self.calls += 1
-            accepted = self.protocol.replicated(self.step, phase, mine, "byzantine_totals", self.proofs, "partial sum")
+            accepted = replicated(self.protocol, self.step, phase, mine, "byzantine_totals", self.proofs, "partial sum")
             total = torch.zeros_like(like)
             for shard in range(self.protocol.membership.n):
                 total += inputs.piece_tensor(accepted[shard], 1, like.dtype).reshape(like.shape)
@@ -64,3 +69,72 @@ class Lockstep:
         except BaseException as err:
             self.error = err
             raise
+
+
+class StepFailed(RuntimeError):
+    """A shard's result or partial sum did not gather ``f + 1`` identical signed copies within the timeout: more
+    faulty members than ``f`` among its aggregators, or messages slower than the timeout. Raised before the step is
+    applied."""
+
+
+def _values(protocol: Any, got: dict[int, tuple[bytes, Evidence]]) -> dict[int, dict[int, bytes]]:
+    """``{shard: {aggregator: value}}`` of per-shard messages (a part that does not parse is skipped)."""
+    values: dict[int, dict[int, bytes]] = {}
+    for sender, (data, _) in got.items():
+        try:
+            sent = wire.unpack_shard_values(data)
+        except ValueError:
+            continue
+        for shard, value in sent.items():
+            if 0 <= shard < protocol.membership.n and sender in protocol.membership.aggregators(shard):
+                values.setdefault(shard, {})[sender] = value
+    return values
+
+
+def _settled(protocol: Any, got: dict[int, tuple[bytes, Evidence]]) -> bool:
+    """Whether every shard has a value that ``f + 1`` of its aggregators sent."""
+    values, need = _values(protocol, got), protocol.membership.acceptance
+    for shard in range(protocol.membership.n):
+        counts: dict[bytes, int] = {}
+        for value in values.get(shard, {}).values():
+            counts[value] = counts.get(value, 0) + 1
+        if not counts or max(counts.values()) < need:
+            return False
+    return True
+
+
+def replicated(
+    protocol: Any, step: int, phase: int, mine: dict[int, bytes], tag: str, proofs: dict[int, Proof], what: str
+) -> dict[int, bytes]:
+    """Send ``protocol``'s member's per-shard values, and return each shard's value as ``f + 1`` of its aggregators
+    signed it; an aggregator that signed another value is proven faulty (``wrong_aggregate``)."""
+    members, me = protocol.membership, protocol.me
+    payload = wire.pack_shard_values(mine)
+    for peer in protocol.peers:
+        protocol.send(peer, step, phase, payload, tag)
+    own = {me: (payload, protocol.transport.sign_own(step, phase, payload))}
+    got = {
+        **own,
+        **protocol.collect(step, phase, set(protocol.peers), lambda more: _settled(protocol, {**own, **more})),
+    }
+    values = _values(protocol, got)
+    accepted = {}
+    for shard in range(members.n):
+        counts: dict[bytes, list[int]] = {}
+        for sender, value in values.get(shard, {}).items():
+            counts.setdefault(value, []).append(sender)
+        agreed = [v for v, senders in counts.items() if len(senders) >= members.acceptance]
+        if not agreed:
+            raise StepFailed(
+                f"lightning_zero: rank {me}, step {step}: no {what} of shard {shard} was signed identically by"
+                f" f + 1 = {members.acceptance} of its aggregators {list(members.aggregators(shard))}"
+                f" ({sum(map(len, counts.values()))} answered in {protocol.timeout_s:g} s)"
+            )
+        accepted[shard] = agreed[0]
+        witnesses = tuple(got[s] for s in counts[agreed[0]][: members.acceptance])
+        for value, senders in counts.items():
+            for sender in senders:
+                if value != agreed[0] and sender not in proofs:
+                    detail = f"rank {sender} signed a {what} of shard {shard} that differs from the accepted one"
+                    proofs[sender] = Proof(sender, "wrong_aggregate", detail, (got[sender], *witnesses))
+    return accepted

@@ -334,7 +334,9 @@ class RobustEngine:
             state["center"] = exchange.gather_center(state["center"], self._attached().numels).cpu()
         grads = self.grads
         momentum = grads.momentum_rows if grads is not None else None
-        if momentum is not None:
+        if momentum is not None and exchange is not None:
+            momentum = exchange.gather_rows(momentum, momentum.new_empty(self.num_workers, momentum.shape[1])).cpu()
+        elif momentum is not None:
             momentum = self._gather_rows(momentum, tag="checkpoint").cpu().clone()
         state["worker_momentum"] = momentum
         return state

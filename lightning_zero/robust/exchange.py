@@ -162,6 +162,13 @@ class ShardedExchange:
         layout = self.layout(numels)
         return gather_shards(layout.take(center, comm.rank()), layout, tag="checkpoint")
 
+    def gather_rows(self, rows: Tensor, out: Tensor) -> Tensor:
+        """Every worker's rows into ``out`` (collective), in global worker order: a checkpoint's momentum."""
+        if comm.world_size() == 1:
+            return out.copy_(rows)
+        comm.all_gather(out, rows, tag="checkpoint")
+        return out
+
     @staticmethod
     def _total(round_index: int, partial: Tensor) -> Tensor:
         """Round ``round_index``'s partial sums of every shard, all-gathered and added in shard order (rank ``q``

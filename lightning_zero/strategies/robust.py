@@ -40,6 +40,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_zero.byzantine.collectives import TolerantCollectives
 from lightning_zero.byzantine.exchange import ByzantineExchange
 from lightning_zero.byzantine.exchange import check_settings as check_byzantine_settings
 from lightning_zero.robust.aggregation import StageSpec
@@ -51,7 +52,7 @@ from lightning_zero.robust.engine import (
     check_workers,
 )
 from lightning_zero.strategies.base import ScratchParallelStrategy
-from lightning_zero.training.distributed import ROBUST_NAMES
+from lightning_zero.training.distributed import ROBUST_NAMES, reduce_op_name
 
 __all__ = ["CHECKPOINT_KEY", "RobustDDPStrategy", "check_precision_settings", "check_workers"]
 
@@ -85,10 +86,11 @@ class RobustDDPStrategy(RobustFrontEnd, ScratchParallelStrategy):
         byzantine_ranks: ``f`` >= 1 turns on the Byzantine ranks mode (``lightning_zero.byzantine``): up to ``f``
             *ranks* may run hostile code (``N >= 3f + 1`` processes); signed messages, each shard aggregated by
             ``2f + 1`` ranks, agreement on every step's inputs. 0: every rank is trusted.
-        byzantine_timeout: seconds each phase of a step waits; a rank silent past it is left out of that step.
+        byzantine_timeout: seconds each round of a step (and each of Lightning's collectives) waits; a rank silent
+            past it is left out of that step.
         byzantine_rank_behaviour: evaluation only: ``silent``, ``equivocate``, ``forged_digest``,
-            ``wrong_aggregate``, ``wrong_partial`` or ``wrong_vote``, played by ``byzantine_behaving_ranks``
-            (default: the last ``byzantine_ranks``).
+            ``wrong_aggregate``, ``wrong_partial``, ``wrong_vote``, ``slow_under``, ``slow_over`` or ``crash``,
+            played by ``byzantine_behaving_ranks`` (default: the last ``byzantine_ranks``).
         byzantine_behaving_ranks: the ranks that play ``byzantine_rank_behaviour``.
         master_weights: must stay ``False``: the robust pipeline aggregates and steps the module's own parameters.
         **kwargs: see :class:`~lightning_zero.strategies.base.ScratchParallelStrategy`.
@@ -229,6 +231,33 @@ class RobustDDPStrategy(RobustFrontEnd, ScratchParallelStrategy):
                 metrics.update(exchange.metrics())
             module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
         return self.precision_plugin.post_backward(closure_loss, module)
+
+    # ------------------------------------------------------------ Lightning's collectives
+    def _tolerant(self) -> TolerantCollectives | None:
+        """With ``byzantine_ranks``, once the step protocol runs: Lightning's collectives over the signed transport
+        ([Note: tolerant collectives] in lightning_zero/byzantine/collectives.py); before, gloo's."""
+        exchange = self.robust_engine.exchange
+        return exchange.collectives if isinstance(exchange, ByzantineExchange) and exchange.running else None
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        calls = self._tolerant()
+        if calls is None:
+            super().barrier(name)
+        else:
+            calls.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        calls = self._tolerant()
+        return super().broadcast(obj, src) if calls is None else calls.broadcast(obj, src)
+
+    @override
+    def all_reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        calls = self._tolerant()
+        if calls is None or not isinstance(tensor, Tensor) or group is not None:
+            return super().all_reduce(tensor, group, reduce_op)
+        return calls.all_reduce(tensor, reduce_op_name(reduce_op))
 
     # ------------------------------------------------------------ checkpoints
     @override

@@ -129,7 +129,7 @@ def elastic_attempt_store(timeout: timedelta | float | None) -> dist.Store:
     return dist.PrefixStore(f"/worker/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
-def _reduce_op_name(reduce_op: Any) -> str:
+def reduce_op_name(reduce_op: Any) -> str:
     """Lightning passes ``"mean"``/``"sum"``/... strings or ``torch.distributed.ReduceOp`` members."""
     if reduce_op is None:
         return "sum"
@@ -382,7 +382,7 @@ class DistributedPlumbing:
         """Reduce ``tensor`` in place across processes (``"mean"`` by default); non-tensors pass through."""
         if not isinstance(tensor, Tensor) or not comm.is_initialized():
             return tensor
-        op = _reduce_op_name(reduce_op)
+        op = reduce_op_name(reduce_op)
         if op == "avg" and not tensor.is_floating_point():
             comm.all_reduce(tensor, "sum", group=group, tag="reduce")
             return tensor.copy_(tensor / comm.world_size(group))

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_zero.byzantine.behaviours import BEHAVIOURS, Rewrite, Twisted
+from lightning_zero.byzantine.behaviours import BEHAVIOURS, Crashed, Rewrite, Twisted
 from lightning_zero.byzantine.inputs import ECHO, INPUT
 from lightning_zero.byzantine.membership import Membership
 from lightning_zero.byzantine.step import StepProtocol
@@ -82,7 +82,7 @@ def test_without_faults_the_aggregate_is_the_rule_on_the_whole_stack_on_every_me
 
 
 def test_equivocating_inputs_are_proven_and_left_out_on_every_honest_member():
-    out = run_step(4, 1, "median", faulty={3: BEHAVIOURS["equivocate"](MEMBERS)})
+    out = run_step(4, 1, "median", faulty={3: BEHAVIOURS["equivocate"](MEMBERS, TIMEOUT)})
     check_honest(out, [0, 1, 2], "median", 4, 1, {3})
     for r in (0, 1, 2):
         assert out[r].proofs[3].kind == "equivocation"
@@ -91,7 +91,7 @@ def test_equivocating_inputs_are_proven_and_left_out_on_every_honest_member():
 def test_a_forged_digest_is_proven_by_its_victim_spread_by_the_echo_and_evicts_the_forger():
     """Rank 0, step 0's leader, forges to rank 1. Rank 1's echo carries the proof: every member checks it, leaves
     rank 0 out and agrees to evict it, rank 0's own (honest) code included."""
-    out = run_step(4, 1, "trimmed_mean", faulty={0: BEHAVIOURS["forged_digest"](MEMBERS)})  # to rank 1
+    out = run_step(4, 1, "trimmed_mean", faulty={0: BEHAVIOURS["forged_digest"](MEMBERS, TIMEOUT)})  # to rank 1
     check_honest(out, [1, 2, 3], "trimmed_mean", 4, 1, {0})
     for r in (1, 2, 3):
         assert out[r].proofs[0].kind == "forged_digest" and out[r].evicted == (0,)
@@ -114,7 +114,7 @@ def test_a_silent_member_is_left_out_and_named_and_the_others_agree():
 def test_a_wrong_partial_sum_cannot_bend_the_totals():
     """Rank 1 corrupts every partial sum it sends (centered clipping's norms): the f + 1 honest copies win."""
 
-    out = run_step(4, 1, "centered_clipping", faulty={1: BEHAVIOURS["wrong_partial"](MEMBERS)})
+    out = run_step(4, 1, "centered_clipping", faulty={1: BEHAVIOURS["wrong_partial"](MEMBERS, TIMEOUT)})
     check_honest(out, [0, 2, 3], "centered_clipping", 4, 1, set())
     assert all(out[r].proofs[1].kind == "wrong_aggregate" for r in (0, 2, 3))
 
@@ -141,7 +141,7 @@ def test_columns_withheld_from_one_member_are_recovered_from_their_holders(late)
 
 
 def test_an_equivocating_member_is_evicted_after_the_step_that_proves_it_and_the_rest_trains_on():
-    out = run_step(4, 1, "median", faulty={3: BEHAVIOURS["equivocate"](MEMBERS)}, steps=3)
+    out = run_step(4, 1, "median", faulty={3: BEHAVIOURS["equivocate"](MEMBERS, TIMEOUT)}, steps=3)
     for r in (0, 1, 2):
         first, *later = out[r]
         assert first.evicted == (3,) and first.proofs[3].kind == "equivocation"
@@ -156,3 +156,34 @@ def test_a_member_left_out_f_plus_1_steps_in_a_row_is_evicted():
         assert [o.included for o in out[r]] == [(0, 1, 3)] * 3
         assert [o.evicted for o in out[r]] == [(), (2,), ()]  # evict_after = f + 1 = 2 steps
         assert out[r][2].silent == set()  # no one waits for rank 2 any more
+
+
+def check_left_out_then_evicted(out: dict[Any, Any], faulty: int, first: int) -> None:
+    """The honest members agree on every step, leave ``faulty`` out from step ``first`` and evict it f + 1 = 2 steps
+    later."""
+    honest = [r for r in range(4) if r != faulty]
+    rest = tuple(honest)
+    for r in honest:
+        assert [o.included for o in out[r]] == [(0, 1, 2, 3)] * first + [rest] * (3 - first), r
+        assert [o.evicted for o in out[r]] == [(faulty,) if i == first + 1 else () for i in range(3)], r
+        assert all(torch.equal(o.vector, out[honest[0]][i].vector) for i, o in enumerate(out[r]))
+        assert not any(o.proofs for o in out[r])  # leaving is no proof
+
+
+def test_a_crashed_member_is_left_out_then_evicted_and_the_others_train_on():
+    """Rank 3's connections drop at step 1 (behaviour ``crash``): left out of steps 1 and 2, evicted after step 2."""
+    out = run_step(4, 1, "median", faulty={3: BEHAVIOURS["crash"](MEMBERS, TIMEOUT)}, steps=3)
+    assert isinstance(out[3], Crashed)
+    check_left_out_then_evicted(out, 3, first=1)
+
+
+@pytest.mark.slow
+def test_a_straggler_inside_the_timeout_is_waited_for_and_one_past_it_is_left_out_then_evicted():
+    """Each step's first message of rank 2 comes 0.8 timeouts late (``slow_under``): every step waits for it. At 1.25
+    timeouts (``slow_over``) it is silent from step 0 on, and evicted after step 1."""
+    under = run_step(4, 1, "median", faulty={2: BEHAVIOURS["slow_under"](MEMBERS, TIMEOUT)}, steps=2)
+    for r in (0, 1, 3):
+        assert [(o.included, o.silent, o.evicted) for o in under[r]] == [((0, 1, 2, 3), set(), ())] * 2, r
+        assert all(torch.equal(o.vector, under[0][i].vector) for i, o in enumerate(under[r]))
+    over = run_step(4, 1, "median", faulty={2: BEHAVIOURS["slow_over"](MEMBERS, TIMEOUT)}, steps=3)
+    check_left_out_then_evicted(over, 2, first=0)

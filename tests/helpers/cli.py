@@ -73,6 +73,13 @@ def kill_dumping_stacks(pgid: int, grace: float = 5.0) -> None:
         os.killpg(pgid, signal.SIGKILL)
 
 
+def stacks_in(output: str, limit: int = 16000) -> str:
+    """The threads' stacks that :func:`kill_dumping_stacks` made the run print (innermost frames first), with what
+    came just before them; the output's tail when there are none."""
+    start = min((i for i in (output.find("Fatal Python error"), output.find("Thread 0x")) if i >= 0), default=-1)
+    return output[max(start - 2000, 0) : start + limit] if start >= 0 else output[-limit:]
+
+
 def run_command(cmd: list[str], cwd: Path, timeout: float, env: dict[str, str]) -> CliRun:
     """Run ``cmd`` in ``cwd`` in its own session; fails the test if it runs past ``timeout`` seconds."""
     proc = subprocess.Popen(
@@ -89,7 +96,7 @@ def run_command(cmd: list[str], cwd: Path, timeout: float, env: dict[str, str]) 
     except subprocess.TimeoutExpired:
         kill_dumping_stacks(proc.pid)
         out, _ = proc.communicate()
-        pytest.fail(f"{' '.join(cmd)} ran past {timeout} s:\n{out[-6000:]}")
+        pytest.fail(f"{' '.join(cmd)} ran past {timeout} s:\n{stacks_in(out)}")
     leftover = _session_members(proc.pid)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)  # nothing may outlive the run, whatever the test asserts

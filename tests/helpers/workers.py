@@ -21,7 +21,7 @@ import os
 import socket
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
@@ -34,7 +34,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue: Any) -> None:
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue: Any, leaving: int) -> None:
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -56,12 +56,12 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
         queue.put((rank, "error", traceback.format_exc()))
     finally:
         if torch.distributed.is_initialized():
-            _leave_together(world_size, wait=succeeded)
+            _leave_together(leaving, wait=succeeded)
             torch.distributed.destroy_process_group()
 
 
 def _leave_together(world_size: int, wait: bool, timeout: float = 30) -> None:
-    """Count this rank out in the rendezvous store, and (``wait``) stay until every rank is out.
+    """Count this rank out in the rendezvous store, and (``wait``) stay until ``world_size`` ranks are out.
 
     Rank 0 hosts the store: a rank 0 that exits while a peer still reads it (the peer's last ``new_group``
     exchanging addresses) fails that peer with "Gloo connectFullMesh failed ... Connection closed by peer". A count in
@@ -84,25 +84,38 @@ PRELOAD = ["torch", "torch.distributed", "lightning", "lightning.pytorch", "ligh
 
 
 def run_workers(
-    fn: Callable, world_size: int, *args: Any, timeout: float = 240, start_method: str = "forkserver"
-) -> list[Any]:
+    fn: Callable, world_size: int, *args: Any, timeout: float = 240, start_method: str = "forkserver",
+    dies: Collection[int] = (),
+) -> list[Any]:  # fmt: skip
     """Run ``fn(*args)`` on ``world_size`` processes; return the results ordered by rank, or raise the first error.
-    ``start_method``: ``"forkserver"`` (see the module docstring) or ``"spawn"`` (fresh interpreters)."""
+    ``start_method``: ``"forkserver"`` (see the module docstring) or ``"spawn"`` (fresh interpreters). ``dies``: ranks
+    that must exit on their own without a result (a crash under test): their place holds the exit status, and one
+    that returns or exits 0 is an error."""
     ctx = mp.get_context(start_method)
     if start_method == "forkserver":
         ctx.set_forkserver_preload(PRELOAD)  # read when the server starts, on the session's first call
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
+    leaving = world_size - len(set(dies))
+    procs = [
+        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, leaving)) for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
     try:
-        for _ in range(world_size):
+        for _ in range(leaving):
             rank, status, payload = queue.get(timeout=timeout)
             if status == "error":
                 raise RuntimeError(f"rank {rank} failed:\n{payload}")
+            if rank in dies:
+                raise RuntimeError(f"rank {rank} was to die but returned a result")
             results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+        for rank in dies:
+            procs[rank].join(timeout=30)
+            if procs[rank].exitcode in (0, None):
+                raise RuntimeError(f"rank {rank} was to die, but its exit status is {procs[rank].exitcode}")
+            results[rank] = procs[rank].exitcode
     finally:
         for p in procs:
             p.join(timeout=10)

@@ -38,7 +38,7 @@ from lightning_zero.tools.config_schema import (
     ZeroStrategyConf,
 )
 from lightning_zero.tools.train import _validate_at_the_end
-from tests.helpers.cli import CliRun, cli_env, kill_dumping_stacks, run_cli
+from tests.helpers.cli import CliRun, cli_env, kill_dumping_stacks, run_cli, stacks_in
 from tests.helpers.conf import CONF_DIR, options
 
 GROUPS = ("trainer", "strategy", "model", "data", "optimizer", "callbacks", "logger", "experiment")
@@ -562,7 +562,8 @@ def test_cli_ctrl_c_leaves_a_trace_in_the_logs(tmp_path: Path) -> None:
             proc.communicate(timeout=60)
         except subprocess.TimeoutExpired:
             kill_dumping_stacks(proc.pid)
-            pytest.fail(f"no exit within 60 s of Ctrl-C; the stacks:\n{proc.communicate()[0].decode()[-8000:]}")
+            out = proc.communicate()[0].decode(errors="replace")
+            pytest.fail(f"no exit within 60 s of Ctrl-C; the stacks:\n{stacks_in(out)}")
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)

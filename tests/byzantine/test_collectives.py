@@ -1,0 +1,74 @@
+"""lightning_zero.byzantine.collectives: Lightning's collectives among threads with real signed transports. Every
+member answers: the reductions equal the plain ones over all ranks; a silent or lying member cannot stop them or
+change what the others decode beyond its own value."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_zero.byzantine.collectives import CALLS, TolerantCollectives
+from lightning_zero.byzantine.membership import Membership
+from lightning_zero.byzantine.step import StepProtocol
+from tests.helpers.byzantine import run_members, silent
+
+pytest.importorskip("cryptography")
+TIMEOUT = 1.0  # far above a thread's message delay; each call waits it once for a silent member
+
+
+class _Exchange:
+    """What the collectives read of a ByzantineExchange: its protocol and its step counter."""
+
+    def __init__(self, link: Any) -> None:
+        self._protocol, self.step = StepProtocol(link, Membership.of(4, 1), timeout_s=TIMEOUT), 0
+
+    def protocol(self) -> StepProtocol:
+        return self._protocol
+
+
+def value_of(rank: int) -> torch.Tensor:
+    return torch.arange(6, dtype=torch.float32).reshape(2, 3) * (rank + 1)
+
+
+def calls(rank: int, link: Any) -> dict[str, Any]:
+    collectives = TolerantCollectives(_Exchange(link))
+    out = {"sum": collectives.all_reduce(value_of(rank), "sum"), "max": collectives.all_reduce(value_of(rank), "max")}
+    out["avg"] = collectives.all_reduce(value_of(rank), "avg")
+    collectives.barrier()
+    out["broadcast"] = collectives.broadcast({"path": f"from rank {rank}", "n": rank}, src=1)
+    out["rows"] = collectives.gather_rows(value_of(rank))
+    return out
+
+
+def test_without_faults_each_call_equals_the_plain_collective_on_every_member():
+    out = run_members(4, calls, {}, linger=1.0)
+    stack = torch.stack([value_of(r) for r in range(4)])
+    for r in range(4):
+        assert torch.equal(out[r]["sum"], stack.sum(0)) and torch.equal(out[r]["max"], stack.amax(0))
+        assert torch.equal(out[r]["avg"], stack.sum(0) / 4)
+        assert out[r]["broadcast"] == {"path": "from rank 1", "n": 1}
+        assert torch.equal(out[r]["rows"], torch.cat(list(stack)))
+
+
+def test_a_silent_member_is_left_out_of_every_call_and_a_silent_source_leaves_each_its_own():
+    out = run_members(4, calls, {1: silent}, linger=1.0)
+    stack = torch.stack([value_of(r) for r in (0, 2, 3)])
+    for r in (0, 2, 3):
+        assert torch.equal(out[r]["sum"], stack.sum(0)) and torch.equal(out[r]["avg"], stack.sum(0) / 3)
+        assert out[r]["broadcast"] == {"path": f"from rank {r}", "n": r}  # the source said nothing
+        assert torch.equal(out[r]["rows"][2:4], torch.zeros(2, 3))  # rank 1's rows: zeros
+
+
+def test_a_value_that_does_not_parse_or_decode_is_dropped():
+    """Rank 2 sends garbage in every call (and a pickle of its choosing would never be unpickled)."""
+
+    def garbage(link: Any, peer: int, step: int, phase: int, payload: bytes) -> bytes:
+        return b"\x80\x04not a frame" if phase >= CALLS else payload
+
+    out = run_members(4, calls, {2: garbage}, linger=1.0)
+    stack = torch.stack([value_of(r) for r in (0, 1, 3)])
+    for r in (0, 1, 3):
+        assert torch.equal(out[r]["sum"], stack.sum(0))
+        assert out[r]["broadcast"] == {"path": "from rank 1", "n": 1}
