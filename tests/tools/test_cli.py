@@ -550,9 +550,13 @@ def test_cli_ctrl_c_leaves_a_trace_in_the_logs(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     args = ["trainer.max_steps=100000", "model.n_layer=1", "model.n_embd=32", "data.max_chars=40000"]
     cmd = [sys.executable, "-m", "lightning_zero.tools.train", *args, f"hydra.run.dir={run_dir}"]
+    # As a terminal starts it: SIGINT at its default. A test session started in the background by a shell without
+    # job control (`pytest ... &`, `.ci/run &`) ignores SIGINT, and a process inherits that: Python then installs no
+    # KeyboardInterrupt handler, and the run would rightly train on through the Ctrl-C (measured: it did, to epoch 188).
     proc = subprocess.Popen(
-        cmd, cwd=tmp_path, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
-    )
+        cmd, cwd=tmp_path, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # fmt: skip
     try:
         deadline = time.monotonic() + 120
         while "Epoch 0" not in _read(run_dir / "train_console.log") and time.monotonic() < deadline:
