@@ -17,7 +17,12 @@ ranks build are about messages the rank really signed:
 - ``slow_under``, ``slow_over``: each step's first message sent 0.8 or 1.25 timeouts late (a straggler just inside
   the deadline, which the others wait for, and one just past it, left out and then evicted);
 - ``crash``: the rank's connections closed at step 1, as a process that died would leave them (in a fit, the
-  process exits).
+  process exits);
+- ``alie``: the behaving ranks collude in "a little is enough" (Baruch et al., 2019). They pool the rows their
+  workers honestly computed (through the rendezvous store, a channel of their own) and each commits to
+  ``mean - ALIE_Z x std`` of the pool, coordinate-wise, in every worker row, then plays the protocol honestly. Nothing
+  on the wire is provable: the robust rule alone bounds what it does. It changes the rows, not the messages
+  (:func:`alie_rows`, applied by the exchange before the step).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from lightning_zero.byzantine import inputs, wire
 from lightning_zero.byzantine.agreement import COMMIT, PHASE_BASE, PREPARE, view_phase
@@ -142,6 +148,22 @@ def _crash(members: Membership, timeout_s: float) -> Rewrite:
     return rewrite
 
 
+ALIE_Z = 1.0
+"""``alie``'s ``z``: one standard deviation of the colluders' pool below its mean (the strength of the project's
+``attack=alie`` runs; the paper's formula gives ``z <= 0`` at small ``n``, where the attack vanishes)."""
+INPUT_BEHAVIOURS = frozenset({"alie"})
+"""The behaviours that change the rows a rank commits to rather than its messages."""
+
+
+def alie_rows(pool: Tensor, k: int, z: float = ALIE_Z) -> Tensor:
+    """``k`` rows of ``mean - z x std`` over the colluders' pooled honest rows ``pool`` (``(m, d)``, ``m >= 2``:
+    the sample deviation of ``torch.std``, as the reference ALIE implementations)."""
+    if pool.shape[0] < 2:
+        raise ValueError(f"alie needs at least 2 pooled rows to estimate a spread, got {pool.shape[0]}")
+    row = pool.mean(0) - z * pool.std(0, correction=1)
+    return row.expand(k, -1).clone()
+
+
 class Crashed(RuntimeError):
     """Raised by the ``crash`` behaviour in the crashing rank's own code (a fit's process exits on it)."""
 
@@ -155,13 +177,17 @@ BEHAVIOURS: dict[str, Behaviour] = {
     "wrong_vote": _wrong_vote,
     **{name: _slow(timeouts) for name, timeouts in SLOW.items()},
     "crash": _crash,
+    "alie": lambda members, timeout_s: lambda link, peer, step, phase, payload: payload,  # the rows, not the wire
 }
 """The behaviours by name."""
 
 
-def check_behaviour(behaviour: object, ranks: object, world_size: int | None = None) -> None:
+def check_behaviour(
+    behaviour: object, ranks: object, world_size: int | None = None, f: int = 1, workers_per_rank: int = 1
+) -> None:
     """``byzantine_rank_behaviour`` is ``None`` or a name of :data:`BEHAVIOURS`; ``byzantine_behaving_ranks`` ranks of
-    the job (``None``: the world size is not known yet)."""
+    the job (``None``: the world size is not known yet; default: the last ``f``); ``alie``'s colluders pool at least
+    two rows."""
     if behaviour is not None and behaviour not in BEHAVIOURS:
         raise ValueError(
             f"byzantine_rank_behaviour={behaviour!r} is invalid: expected None or one of {list(BEHAVIOURS)}"
@@ -171,3 +197,10 @@ def check_behaviour(behaviour: object, ranks: object, world_size: int | None = N
             raise ValueError(f"byzantine_behaving_ranks={ranks!r} is invalid: expected a list of ranks")
         if world_size is not None and any(r >= world_size for r in ranks):
             raise ValueError(f"byzantine_behaving_ranks={list(ranks)} is invalid for {world_size} processes")
+    if behaviour == "alie":
+        colluders = f if ranks is None else len(set(ranks))
+        if colluders * workers_per_rank < 2:
+            raise ValueError(
+                f"byzantine_rank_behaviour='alie' with {colluders} behaving rank(s) x workers_per_rank="
+                f"{workers_per_rank}: the colluders need at least 2 rows of their own to estimate a spread"
+            )

@@ -58,10 +58,13 @@ class TolerantCollectives:
         self._round(b"")
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        buffer = io.BytesIO()
-        torch.save(obj, buffer)
-        got = self._round(buffer.getvalue())
-        if src == self.exchange.protocol().me or src not in got:
+        if src == self.exchange.protocol().me:
+            buffer = io.BytesIO()
+            torch.save(obj, buffer)
+            self._round(buffer.getvalue())
+            return obj
+        got = self._round(b"")  # the others send nothing: the round still orders the call, as a barrier would
+        if src not in got:
             return obj
         try:
             return torch.load(io.BytesIO(got[src]), weights_only=True)

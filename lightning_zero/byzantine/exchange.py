@@ -27,9 +27,11 @@ from collections.abc import Callable
 from collections.abc import Set as AbstractSet
 from typing import Any
 
+import torch
 from torch import Tensor
 
-from lightning_zero.byzantine.behaviours import BEHAVIOURS, Twisted, check_behaviour
+from lightning_zero.byzantine import inputs
+from lightning_zero.byzantine.behaviours import BEHAVIOURS, INPUT_BEHAVIOURS, Twisted, alie_rows, check_behaviour
 from lightning_zero.byzantine.collectives import TolerantCollectives
 from lightning_zero.byzantine.membership import Membership, check_f
 from lightning_zero.byzantine.step import Outcome, StepProtocol
@@ -68,6 +70,7 @@ class ByzantineExchange:
         self._transport: SignedTransport | None = None
         self._protocol: StepProtocol | None = None
         self._resumed: dict[str, Any] | None = None  # a checkpoint's state, until the protocol exists
+        self._prefix, self._colluders = "", list[int]()  # the transport's store prefix; alie's ranks
         self.collectives = TolerantCollectives(self)
         """Lightning's collectives over the signed transport, while :attr:`running`."""
 
@@ -129,10 +132,11 @@ class ByzantineExchange:
             rank = comm.rank()
             transport = SignedTransport(
                 rank, members.n, comm.rendezvous_store(), timeout_s=self.timeout_s,
-                prefix=f"lightning_zero/byzantine/{next(_RUNS)}",
+                prefix=self._new_prefix(),
             )  # fmt: skip
             self._transport = transport
             behaving = self.behaving_ranks if self.behaving_ranks is not None else list(members.members[-self.f :])
+            self._colluders = sorted(set(behaving)) if self.behaviour in INPUT_BEHAVIOURS else []
             link: Any = transport
             timeout = self.timeout_s
             if self.behaviour is not None and rank in behaving:
@@ -166,7 +170,10 @@ class ByzantineExchange:
             results[j] = rounds[j](stack, shard)
             return results[j].vector
 
-        outcome = protocol.run(self.step - 1, rows.detach().cpu(), aggregate)
+        sent = rows.detach().cpu()
+        if comm.rank() in self._colluders:
+            sent = self._collude(sent)
+        outcome = protocol.run(self.step - 1, sent, aggregate)
         self.last_outcome, self.members = outcome, protocol.membership
         for rank in outcome.evicted:
             proof = outcome.proofs.get(rank)
@@ -182,6 +189,22 @@ class ByzantineExchange:
             return AggregationResult(vector, float("nan"), None, 0, 0.0), vector
         seconds = sum(r.seconds for r in results.values())
         return dataclasses.replace(first, vector=vector, seconds=seconds), vector
+
+    def _new_prefix(self) -> str:
+        self._prefix = f"lightning_zero/byzantine/{next(_RUNS)}"
+        return self._prefix
+
+    def _collude(self, rows: Tensor) -> Tensor:
+        """``alie``: this colluder's rows pooled with the others' through the store; the rows it commits to."""
+        store, me, key = comm.rendezvous_store(), comm.rank(), f"{self._prefix}/alie/{self.step}"
+        store.set(f"{key}/{me}", inputs.piece_bytes(rows))
+        pool = [rows]
+        for rank in self._colluders:
+            if rank != me:
+                pool.append(inputs.piece_tensor(store.get(f"{key}/{rank}"), rows.shape[0], rows.dtype))
+        if self.step > 2:  # every colluder read it before its step's protocol, which ended before this one began
+            store.delete_key(f"{self._prefix}/alie/{self.step - 2}/{me}")
+        return alie_rows(torch.cat(pool), rows.shape[0])
 
     def metrics(self) -> dict[str, float]:
         """The last step's ``byzantine/members`` (after it), ``byzantine/left_out`` (members whose rows it did not
@@ -224,6 +247,7 @@ CRASH_EXIT = 75
 def check_settings(
     byzantine_ranks: Any, byzantine_timeout: Any = 10.0, aggregator: str = "median", aggregation_replicas: int = 1,
     byzantine_rank_behaviour: Any = None, byzantine_behaving_ranks: Any = None, world_size: int | None = None,
+    workers_per_rank: int = 1,
 ) -> None:  # fmt: skip
     """The Byzantine ranks settings of ``robust_ddp_scratch`` (``None``: the world size is not known yet), each bad
     one or bad combination refused naming the numbers."""
@@ -244,4 +268,4 @@ def check_settings(
             f"aggregation_replicas={aggregation_replicas} with byzantine_ranks={byzantine_ranks}: the mode aggregates"
             f" each shard on 2f + 1 = {2 * byzantine_ranks + 1} ranks itself; leave aggregation_replicas=1"
         )
-    check_behaviour(byzantine_rank_behaviour, byzantine_behaving_ranks, world_size)
+    check_behaviour(byzantine_rank_behaviour, byzantine_behaving_ranks, world_size, byzantine_ranks, workers_per_rank)

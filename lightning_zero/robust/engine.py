@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Generator, Mapping, Sequence
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 from torch import Tensor, nn
@@ -36,7 +37,7 @@ from lightning_zero.comm import collectives as comm
 from lightning_zero.dp.unused import unused_error
 from lightning_zero.robust.aggregation import AggregationResult, RobustAggregator
 from lightning_zero.robust.attacks import flip_labels
-from lightning_zero.robust.exchange import ShardedExchange
+from lightning_zero.robust.exchange import ShardedExchange, gather_rows
 from lightning_zero.robust.shards import check_replicas
 from lightning_zero.robust.workers import WorkerGradients, split_batch
 
@@ -271,11 +272,7 @@ class RobustEngine:
     def _gather_rows(self, rows: Tensor, tag: str, out: Tensor | None = None) -> Tensor:
         """This rank's ``(k, d)`` worker rows -> every worker's ``(n, d)`` (into ``out`` when given), in global worker
         order (one process: the rows themselves)."""
-        if comm.world_size() == 1:
-            return rows
-        stack = out if out is not None else rows.new_empty(self.num_workers, rows.shape[1])
-        comm.all_gather(stack, rows, tag=tag)
-        return stack
+        return gather_rows(rows, out if out is not None else rows.new_empty(self.num_workers, rows.shape[1]), tag)
 
     def aggregate(self) -> dict[str, float]:
         """The window's end (collective): the rule run on every worker's rows, gathered (or each rank on its column
@@ -334,10 +331,10 @@ class RobustEngine:
             state["center"] = exchange.gather_center(state["center"], self._attached().numels).cpu()
         grads = self.grads
         momentum = grads.momentum_rows if grads is not None else None
-        if momentum is not None and exchange is not None:
-            momentum = exchange.gather_rows(momentum, momentum.new_empty(self.num_workers, momentum.shape[1])).cpu()
-        elif momentum is not None:
-            momentum = self._gather_rows(momentum, tag="checkpoint").cpu().clone()
+        if momentum is not None:
+            out = momentum.new_empty(self.num_workers, momentum.shape[1])
+            gather = exchange.gather_rows if exchange is not None else partial(gather_rows, tag="checkpoint")
+            momentum = gather(momentum, out).cpu().clone()  # a copy: one process gathers into nothing
         state["worker_momentum"] = momentum
         return state
 

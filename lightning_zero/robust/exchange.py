@@ -57,6 +57,15 @@ def gather_shards(mine: Tensor, layout: ColumnLayout, out: Tensor | None = None,
     return vector
 
 
+def gather_rows(rows: Tensor, out: Tensor, tag: str) -> Tensor:
+    """Every rank's ``(k, d)`` worker rows into ``out`` (``(n, d)``, collective), in global worker order; one
+    process: ``rows`` themselves."""
+    if comm.world_size() == 1:
+        return rows
+    comm.all_gather(out, rows, tag=tag)
+    return out
+
+
 def _columns(layout: ColumnLayout, shard: int) -> str:
     return ", ".join(f"[{lo}, {hi})" for lo, hi in layout.shards[shard]) or "none"
 
@@ -164,10 +173,7 @@ class ShardedExchange:
 
     def gather_rows(self, rows: Tensor, out: Tensor) -> Tensor:
         """Every worker's rows into ``out`` (collective), in global worker order: a checkpoint's momentum."""
-        if comm.world_size() == 1:
-            return out.copy_(rows)
-        comm.all_gather(out, rows, tag="checkpoint")
-        return out
+        return gather_rows(rows, out, tag="checkpoint")
 
     @staticmethod
     def _total(round_index: int, partial: Tensor) -> Tensor:

@@ -89,8 +89,8 @@ class RobustDDPStrategy(RobustFrontEnd, ScratchParallelStrategy):
         byzantine_timeout: seconds each round of a step (and each of Lightning's collectives) waits; a rank silent
             past it is left out of that step.
         byzantine_rank_behaviour: evaluation only: ``silent``, ``equivocate``, ``forged_digest``,
-            ``wrong_aggregate``, ``wrong_partial``, ``wrong_vote``, ``slow_under``, ``slow_over`` or ``crash``,
-            played by ``byzantine_behaving_ranks`` (default: the last ``byzantine_ranks``).
+            ``wrong_aggregate``, ``wrong_partial``, ``wrong_vote``, ``slow_under``, ``slow_over``, ``crash`` or
+            ``alie`` (colluding), played by ``byzantine_behaving_ranks`` (default: the last ``byzantine_ranks``).
         byzantine_behaving_ranks: the ranks that play ``byzantine_rank_behaviour``.
         master_weights: must stay ``False``: the robust pipeline aggregates and steps the module's own parameters.
         **kwargs: see :class:`~lightning_zero.strategies.base.ScratchParallelStrategy`.
@@ -124,6 +124,7 @@ class RobustDDPStrategy(RobustFrontEnd, ScratchParallelStrategy):
             "byzantine_ranks": byzantine_ranks, "byzantine_timeout": byzantine_timeout, "aggregator": aggregator,
             "aggregation_replicas": aggregation_replicas, "byzantine_rank_behaviour": byzantine_rank_behaviour,
             "byzantine_behaving_ranks": None if byzantine_behaving_ranks is None else list(byzantine_behaving_ranks),
+            "workers_per_rank": workers_per_rank,
         }  # fmt: skip
         check_byzantine_settings(**self._byzantine)
         self.robust_engine = build_engine(

@@ -241,7 +241,7 @@ class RobustDDPStrategyConf(_DataParallelConf):
         ranks = None if self.byzantine_behaving_ranks is None else list(self.byzantine_behaving_ranks)
         check_byzantine_settings(
             self.byzantine_ranks, self.byzantine_timeout, self.aggregator, self.aggregation_replicas,
-            self.byzantine_rank_behaviour, ranks, world_size,
+            self.byzantine_rank_behaviour, ranks, world_size, self.workers_per_rank,
         )  # fmt: skip
 
     def aggregator_pipeline(self) -> RobustAggregator:

@@ -119,6 +119,7 @@ def test_a_malformed_proposal_is_kept_as_proof_of_its_leader_and_the_next_view_d
         assert all(p.rank == 0 for p in out[("misbehaviour", r)])
 
 
+@pytest.mark.slow
 def test_more_silent_members_than_f_end_in_no_agreement_on_every_honest_member_not_a_hang():
     start = time.monotonic()
     out = run_agreement(4, 1, faulty={0: silent, 1: silent})

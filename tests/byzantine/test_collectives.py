@@ -72,3 +72,20 @@ def test_a_value_that_does_not_parse_or_decode_is_dropped():
     for r in (0, 1, 3):
         assert torch.equal(out[r]["sum"], stack.sum(0))
         assert out[r]["broadcast"] == {"path": "from rank 1", "n": 1}
+
+
+def test_only_the_source_of_a_broadcast_sends_its_value():
+    """The others' messages of the broadcast's round are empty: it orders the call, it does not carry their values."""
+    sent: dict[int, list[int]] = {0: [], 1: []}
+
+    def recorder(rank: int) -> Any:
+        def record(link: Any, peer: int, step: int, phase: int, payload: bytes) -> bytes:
+            if phase == CALLS + 4:  # the fifth call of calls(): the broadcast
+                sent[rank].append(len(payload))
+            return payload
+
+        return record
+
+    out = run_members(4, calls, {0: recorder(0), 1: recorder(1)}, linger=1.0)
+    assert all(out[r]["broadcast"] == {"path": "from rank 1", "n": 1} for r in range(4))
+    assert sent[0] == [0, 0, 0] and len(sent[1]) == 3 and min(sent[1]) > 0

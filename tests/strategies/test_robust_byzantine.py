@@ -72,6 +72,11 @@ def test_without_faults_it_trains_as_sharded_aggregation_and_a_wrong_aggregate_i
         ({"byzantine_ranks": 1, "byzantine_rank_behaviour": "lie"}, 4, r"byzantine_rank_behaviour='lie' is invalid"),
         ({"byzantine_rank_behaviour": "silent"}, 4, r"byzantine_rank_behaviour='silent' needs byzantine_ranks >= 1"),
         ({"byzantine_ranks": 1, "byzantine_behaving_ranks": [4]}, 4, r"byzantine_behaving_ranks=\[4\] is invalid"),
+        (
+            {"byzantine_ranks": 1, "byzantine_rank_behaviour": "alie"},
+            4,
+            r"'alie' with 1 behaving rank\(s\) x workers_per_rank=1: the colluders need at least 2 rows",
+        ),
     ],
 )
 def test_bad_settings_are_refused_when_the_trainer_is_built(kwargs, devices, message):
@@ -191,3 +196,16 @@ def test_a_resume_keeps_the_evicted_rank_out_and_trains_bit_identically(tmp_path
         assert r["resumed/first_step"] == [(0, 3, "proof: equivocation")]  # carried over, not found again
     saved = ranks[0]["saved"]
     assert saved["protocol"]["members"] == [0, 1, 2] and saved["protocol"]["f"] == 0 and saved["step"] == 2
+
+
+@pytest.mark.timeout(600)
+def test_colluding_alie_ranks_bend_the_update_but_are_never_evicted_and_the_honest_stay_identical():
+    """Rank 3 commits to ``mean - z std`` of its two workers' rows, a value no proof can catch: the rule bounds it."""
+    two = {**BYZANTINE, "workers_per_rank": 2}
+    ranks = run_workers(_fits, 4, {"byzantine": two, "alie": {**two, "byzantine_rank_behaviour": "alie"}}, timeout=500)
+    honest = ranks[:3]
+    for r in honest:
+        assert max_abs_diff(r["alie"], honest[0]["alie"]) == 0.0  # safety
+        assert r["alie/evictions"] == [] and r["alie/outcome"]["byzantine/members"] == 4.0
+        assert r["alie/outcome"]["byzantine/proofs"] == 0.0
+    assert max_abs_diff(honest[0]["alie"], honest[0]["byzantine"]) > 1e-6  # rank 3's rows did change the update
