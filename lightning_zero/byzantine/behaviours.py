@@ -40,6 +40,7 @@ from lightning_zero.byzantine.inputs import COMMITMENT, INPUT
 from lightning_zero.byzantine.membership import Membership
 from lightning_zero.byzantine.step import RESULT
 from lightning_zero.byzantine.totals import TOTALS
+from lightning_zero.robust.attacks import alie_row
 
 Rewrite = Callable[["Twisted", int, int, int, bytes], "bytes | None"]
 """``(link, peer, step, phase, payload) -> what is sent instead`` (``None``: nothing)."""
@@ -160,8 +161,7 @@ def alie_rows(pool: Tensor, k: int, z: float = ALIE_Z) -> Tensor:
     the sample deviation of ``torch.std``, as the reference ALIE implementations)."""
     if pool.shape[0] < 2:
         raise ValueError(f"alie needs at least 2 pooled rows to estimate a spread, got {pool.shape[0]}")
-    row = pool.mean(0) - z * pool.std(0, correction=1)
-    return row.expand(k, -1).clone()
+    return alie_row(pool, list(range(pool.shape[0])), z).expand(k, -1).clone()
 
 
 class Crashed(RuntimeError):

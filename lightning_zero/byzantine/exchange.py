@@ -198,10 +198,10 @@ class ByzantineExchange:
         """``alie``: this colluder's rows pooled with the others' through the store; the rows it commits to."""
         store, me, key = comm.rendezvous_store(), comm.rank(), f"{self._prefix}/alie/{self.step}"
         store.set(f"{key}/{me}", inputs.piece_bytes(rows))
-        pool = [rows]
-        for rank in self._colluders:
-            if rank != me:
-                pool.append(inputs.piece_tensor(store.get(f"{key}/{rank}"), rows.shape[0], rows.dtype))
+        pool = [  # in rank order on every colluder: they all commit to the same bits
+            rows if rank == me else inputs.piece_tensor(store.get(f"{key}/{rank}"), rows.shape[0], rows.dtype)
+            for rank in self._colluders
+        ]
         if self.step > 2:  # every colluder read it before its step's protocol, which ended before this one began
             store.delete_key(f"{self._prefix}/alie/{self.step - 2}/{me}")
         return alie_rows(torch.cat(pool), rows.shape[0])

@@ -17,7 +17,10 @@ only), and each block gets one fp32 scale, its largest magnitude divided by 127;
 - A block of zeros gets scale 0 and dequantizes to zeros exactly. Non-finite values are not representable: they
   raise, so that an overflow is not hidden inside a block.
 
-Everything is vectorised over rows and blocks (one reshape, one ``amax``, one division), on the tensor's device.
+Everything is vectorised over rows and blocks, on the tensor's device: the whole blocks are one view, the short last
+block another (never a padded copy), and each pass reads or writes the row once. On one CPU thread, 3 Mi fp32
+elements quantize in 9.1 ms and dequantize in 3.9 ms (14.0 and 4.9 ms with a padded copy, ``abs`` then ``amax``,
+and a temporary for the output).
 """
 
 from __future__ import annotations
@@ -51,35 +54,68 @@ def quantized_nbytes(numel: int, block_size: int) -> int:
 
 def _blocks(x: Tensor, block_size: int) -> Tensor:
     """``x`` as fp32 rows zero-padded to whole blocks: ``(rows, num_blocks, block_size)``."""
-    rows = x.detach().reshape(-1, x.shape[-1] if x.ndim else 1).float()
+    rows = _rows(x)
     pad = num_blocks(rows.shape[1], block_size) * block_size - rows.shape[1]
     return (F.pad(rows, (0, pad)) if pad else rows).view(rows.shape[0], -1, block_size)
 
 
+def _rows(x: Tensor) -> Tensor:
+    """``x`` as fp32 rows along its last dimension (a view where ``x`` is fp32)."""
+    return x.detach().reshape(-1, x.shape[-1] if x.ndim else 1).float()
+
+
+def _block_views(rows: Tensor, block_size: int) -> list[tuple[slice, slice, Tensor]]:
+    """``rows`` ``(rows, numel)`` cut into blocks without a padded copy: for the whole blocks and for the short last
+    one (if any), ``(element columns, block columns, (rows, blocks, size) view)``."""
+    numel = rows.shape[1]
+    whole = numel // block_size
+    parts = []
+    for first_block, last_block, size in ((0, whole, block_size), (whole, num_blocks(numel, block_size), 0)):
+        lo, hi = first_block * block_size, min(last_block * block_size, numel)
+        if hi > lo:
+            parts.append(
+                (slice(lo, hi), slice(first_block, last_block), rows[:, lo:hi].unflatten(-1, (-1, size or hi - lo)))
+            )
+    return parts
+
+
 def _absmax(blocks: Tensor) -> Tensor:
-    """Largest magnitude per block, ``(rows, num_blocks)`` (inf or NaN if the block holds one). ``abs`` then ``amax``
-    costs a transient copy of ``blocks`` but took 1.3 ms for 4 Mi fp32 elements on one CPU thread, against 11.6 ms
-    for ``vector_norm(ord=inf)``, the same values (a maximum of magnitudes is exact): it was 3/4 of :func:`quantize`."""
-    return blocks.abs().amax(dim=-1)
+    """Largest magnitude per block, ``(rows, num_blocks)`` (inf or NaN if the block holds one): the larger of
+    ``amax`` and ``-amin``, two passes that read ``blocks`` without writing a copy. 2.5 ms for 3 Mi fp32 elements on
+    one CPU thread, against 3.5 ms for ``abs`` then ``amax``, 6.1 ms for ``aminmax`` and 10.8 ms for
+    ``vector_norm(ord=inf)``: the same values (a maximum of magnitudes is exact)."""
+    return torch.maximum(blocks.amax(dim=-1), blocks.amin(dim=-1).neg_())
 
 
 def quantize(x: Tensor, block_size: int) -> tuple[Tensor, Tensor]:
     """``x`` (any float dtype; flat, or rows along its last dimension) as ``(values, scales)``: int8 values of
-    ``x``'s shape and fp32 scales of shape ``(*x.shape[:-1], num_blocks)``."""
-    blocks = _blocks(x, block_size)
-    absmax = _absmax(blocks)
-    if not torch.isfinite(absmax).all():
-        raise ValueError("blockwise int8 quantization got a non-finite value (inf or NaN): it cannot be represented")
-    scales = absmax / QMAX
-    safe = torch.where(scales > 0, scales, torch.ones_like(scales))  # zero blocks: 0 / 1 = 0
-    steps = blocks.div(safe.unsqueeze(-1)).round_().clamp_(-QMAX, QMAX).to(torch.int8)
-    numel = x.shape[-1] if x.ndim else 1
-    values = steps.view(steps.shape[0], -1)[:, :numel]  # drop the padding (a copy only when there is some)
+    ``x``'s shape and fp32 scales of shape ``(*x.shape[:-1], num_blocks)``.
+
+    The short last block is quantized from a view of its own, not from a zero-padded copy of the row (the padding
+    never changed a block's largest magnitude), and the int8 values are written into their output directly."""
+    rows = _rows(x)
+    values = torch.empty(rows.shape, dtype=torch.int8, device=rows.device)
+    scales = torch.empty(rows.shape[0], num_blocks(rows.shape[1], block_size), device=rows.device)
+    for columns, block_columns, blocks in _block_views(rows, block_size):
+        absmax = _absmax(blocks)
+        if not torch.isfinite(absmax).all():
+            raise ValueError(
+                "blockwise int8 quantization got a non-finite value (inf or NaN): it cannot be represented"
+            )
+        part = scales[:, block_columns]
+        torch.div(absmax, QMAX, out=part)
+        safe = torch.where(part > 0, part, 1.0)  # zero blocks: 0 / 1 = 0
+        # The clamp matters only where absmax / QMAX rounds down (subnormal scales): the quotient stays in int8.
+        steps = blocks.div(safe.unsqueeze(-1)).round_().clamp_(-QMAX, QMAX)
+        values[:, columns].unflatten(-1, blocks.shape[1:]).copy_(steps)
     return values.reshape(x.shape), scales.reshape(*x.shape[:-1], -1)
 
 
-def dequantize(values: Tensor, scales: Tensor, block_size: int, dtype: torch.dtype = torch.float32) -> Tensor:
-    """What :func:`quantize` encoded, in ``values``' shape and ``dtype``."""
+def dequantize(
+    values: Tensor, scales: Tensor, block_size: int, dtype: torch.dtype = torch.float32, out: Tensor | None = None
+) -> Tensor:
+    """What :func:`quantize` encoded, in ``values``' shape, rounded to ``dtype``; written into ``out`` (of that shape,
+    any float dtype) when given, without a temporary where both are fp32."""
     numel = values.shape[-1] if values.ndim else 1
     rows = values.reshape(-1, numel)
     blocks = num_blocks(numel, block_size)
@@ -88,11 +124,18 @@ def dequantize(values: Tensor, scales: Tensor, block_size: int, dtype: torch.dty
             f"{scales.numel()} scales do not fit int8 values of shape {tuple(values.shape)} in blocks of {block_size}:"
             f" expected {rows.shape[0] * blocks} ({rows.shape[0]} row(s) x {blocks})"
         )
-    pad = blocks * block_size - numel
-    padded = F.pad(rows, (0, pad)) if pad else rows
-    # int8 x fp32 promotes to fp32 in one kernel: exactly float(q) * scale, without an fp32 copy of the values.
-    full = torch.mul(padded.view(rows.shape[0], blocks, block_size), scales.reshape(-1, blocks, 1).float())
-    return full.view(rows.shape[0], -1)[:, :numel].to(dtype).reshape(values.shape)
+    if out is None:
+        out = torch.empty(values.shape, dtype=dtype, device=values.device)
+    result = out.view(rows.shape)
+    block_scales = scales.reshape(rows.shape[0], blocks).float()
+    for columns, block_columns, q in _block_views(rows, block_size):
+        # int8 x fp32 promotes to fp32 in one kernel: exactly float(q) * scale, without an fp32 copy of the values.
+        target = result[:, columns].unflatten(-1, q.shape[1:])
+        if dtype == out.dtype == torch.float32:
+            torch.mul(q, block_scales[:, block_columns].unsqueeze(-1), out=target)
+        else:
+            target.copy_(torch.mul(q, block_scales[:, block_columns].unsqueeze(-1)).to(dtype))
+    return out
 
 
 def max_error(x: Tensor, block_size: int) -> Tensor:

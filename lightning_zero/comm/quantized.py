@@ -42,7 +42,7 @@ def all_gather_quantized(
 
     def dequantize_pieces() -> None:  # one rank's piece at a time: a temporary of k fp32 values, not N k
         for row, out in zip(everyone.view(n, -1), output.view(n, k)):
-            out.copy_(dequantize(*unpack(row, k), block_size, dtype or output.dtype))
+            dequantize(*unpack(row, k), block_size, dtype or output.dtype, out=out)
 
     return finish([handle], async_op, then=dequantize_pieces)
 
@@ -86,8 +86,9 @@ def reduce_scatter_quantized(
 
     def combine() -> None:  # contribution r is rank r's chunk for this rank
         total = dequantize(*unpack(received[0], k), block_size)
+        piece = torch.empty_like(total)
         for row in received[1:]:
-            total.add_(dequantize(*unpack(row, k), block_size))
+            total.add_(dequantize(*unpack(row, k), block_size, out=piece))
         if op != "sum":
             total.div_(n)
         output.view(-1).copy_(total)

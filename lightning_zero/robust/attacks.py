@@ -97,9 +97,15 @@ def _gaussian(
     return (std * kept).to(dtype=x.dtype, device=x.device)
 
 
+def alie_row(x: Tensor, honest: list[int], z: float) -> Tensor:
+    """The row "A Little Is Enough" commits: the mean of ``x``'s ``honest`` rows minus ``z`` times their sample
+    deviation per coordinate (none with one row). The simulated ``alie`` attack and the colluding ranks of
+    ``byzantine_rank_behaviour="alie"`` (``lightning_zero/byzantine/behaviours.py``) both send it."""
+    return mean_of_rows(x, honest) - z * _honest_std(x, honest)
+
+
 def _alie(x: Tensor, byzantine: list[int], honest: list[int], generator: Any, z: float) -> Tensor:
-    row = mean_of_rows(x, honest) - z * _honest_std(x, honest)
-    return row.expand(len(byzantine), -1)
+    return alie_row(x, honest, z).expand(len(byzantine), -1)
 
 
 def _ipm(x: Tensor, byzantine: list[int], honest: list[int], generator: Any, eps: float = 0.1) -> Tensor:

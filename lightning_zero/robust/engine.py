@@ -269,11 +269,6 @@ class RobustEngine:
             return set()
         return grads.used.find_unused_everywhere(grads.rows.device)
 
-    def _gather_rows(self, rows: Tensor, tag: str, out: Tensor | None = None) -> Tensor:
-        """This rank's ``(k, d)`` worker rows -> every worker's ``(n, d)`` (into ``out`` when given), in global worker
-        order (one process: the rows themselves)."""
-        return gather_rows(rows, out if out is not None else rows.new_empty(self.num_workers, rows.shape[1]), tag)
-
     def aggregate(self) -> dict[str, float]:
         """The window's end (collective): the rule run on every worker's rows, gathered (or each rank on its column
         shard), every ``p.grad`` bound to the aggregate. Returns the step's metrics (also in :attr:`last_metrics`, the
@@ -289,7 +284,7 @@ class RobustEngine:
             vectors = grads.vectors()
             if comm.world_size() > 1 and (self._stack is None or self._stack.shape[1] != grads.numel):
                 self._stack = vectors.new_empty(self.num_workers, grads.numel)
-            result = self.aggregator(self._gather_rows(vectors, tag="worker_grads", out=self._stack))
+            result = self.aggregator(gather_rows(vectors, self._stack, tag="worker_grads"))
             vector = result.vector
         if vector is not None:
             grads.set_grads(vector, skip=unused)
@@ -333,8 +328,9 @@ class RobustEngine:
         momentum = grads.momentum_rows if grads is not None else None
         if momentum is not None:
             out = momentum.new_empty(self.num_workers, momentum.shape[1])
+            # The exchange's own gather: the Byzantine ranks mode's runs over its signed transport, not gloo.
             gather = exchange.gather_rows if exchange is not None else partial(gather_rows, tag="checkpoint")
-            momentum = gather(momentum, out).cpu().clone()  # a copy: one process gathers into nothing
+            momentum = gather(momentum, out).cpu().clone()  # a copy: one process returns its own rows
         state["worker_momentum"] = momentum
         return state
 

@@ -57,11 +57,12 @@ def gather_shards(mine: Tensor, layout: ColumnLayout, out: Tensor | None = None,
     return vector
 
 
-def gather_rows(rows: Tensor, out: Tensor, tag: str) -> Tensor:
-    """Every rank's ``(k, d)`` worker rows into ``out`` (``(n, d)``, collective), in global worker order; one
-    process: ``rows`` themselves."""
+def gather_rows(rows: Tensor, out: Tensor | None, tag: str) -> Tensor:
+    """Every rank's ``(k, d)`` worker rows into ``out`` (``(n, d)``, collective), in global worker order, returned;
+    one process returns ``rows`` themselves (``out`` may then be ``None``)."""
     if comm.world_size() == 1:
         return rows
+    assert out is not None, "gather_rows across ranks needs its (n, d) output"
     comm.all_gather(out, rows, tag=tag)
     return out
 
@@ -172,7 +173,8 @@ class ShardedExchange:
         return gather_shards(layout.take(center, comm.rank()), layout, tag="checkpoint")
 
     def gather_rows(self, rows: Tensor, out: Tensor) -> Tensor:
-        """Every worker's rows into ``out`` (collective), in global worker order: a checkpoint's momentum."""
+        """Every worker's rows (collective), in global worker order: a checkpoint's momentum. Returns ``out``, or
+        ``rows`` themselves in one process; the Byzantine ranks mode's exchange gathers over its own transport."""
         return gather_rows(rows, out, tag="checkpoint")
 
     @staticmethod

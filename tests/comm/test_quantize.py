@@ -71,6 +71,39 @@ def test_scales_are_each_blocks_largest_magnitude_over_qmax_exactly():
             assert scales[row, b].item() == (max(abs(v) for v in block.tolist()) / torch.tensor(float(QMAX))).item()
 
 
+@pytest.mark.parametrize("shape", [(3, 1000), (2, 1024), (1, 7), (5,)])
+def test_values_are_each_element_over_its_blocks_scale_rounded(shape):
+    """Element by element against a per-block loop, the short last block included (quantized from a view of its
+    own, not from a padded copy); dequantizing into ``out`` gives what the returned tensor holds, in fp32 and
+    rounded to bf16 on the way."""
+    g = torch.Generator().manual_seed(sum(shape))
+    x = torch.randn(shape, generator=g) * 7
+    values, scales = quantize(x, 512)
+    rows, row_values, row_scales = (
+        x.reshape(-1, shape[-1]),
+        values.reshape(-1, shape[-1]),
+        scales.reshape(len(x.reshape(-1, shape[-1])), -1),
+    )
+    for row in range(rows.shape[0]):
+        for b, block in enumerate(rows[row].split(512)):
+            expected = torch.round(block / row_scales[row, b]).to(torch.int8)
+            assert torch.equal(row_values[row, b * 512 : b * 512 + block.numel()], expected)
+    for dtype in (torch.float32, torch.bfloat16):
+        out = torch.full(shape, float("nan"))
+        assert dequantize(values, scales, 512, dtype, out=out) is out
+        assert torch.equal(out, dequantize(values, scales, 512, dtype).float())
+
+
+def test_a_scale_that_rounds_down_keeps_values_in_int8():
+    """A subnormal block whose absmax / 127 rounds down to a smaller step: the quotient exceeds 127 and is clamped
+    (an int8 cast would wrap it to a negative value)."""
+    tiny = torch.tensor(2.0**-149)  # the smallest fp32 subnormal
+    x = torch.tensor([190.0, -190.0, 95.0]) * tiny
+    values, scales = quantize(x, 4)
+    assert scales.item() == tiny.item()  # 190 / 127 = 1.496 steps of 2^-149, rounded to 1
+    assert values.tolist() == [QMAX, -QMAX, 95]
+
+
 def test_exact_values_zero_blocks_and_symmetry():
     x = torch.tensor([0.0, 0.0, 0.0, 0.0, -127.0, 1.0, 64.0, -3.0, 5.0])  # block 0 zeros; block 1 on the grid
     values, scales = quantize(x, 4)

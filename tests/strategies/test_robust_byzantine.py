@@ -13,6 +13,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 import lightning_zero
+from lightning_zero.byzantine.behaviours import alie_rows
 from lightning_zero.byzantine.exchange import CRASH_EXIT
 from tests.helpers.parity import ParityConfig, ParityModule, fit_lightning, make_trainer, max_abs_diff, train_loader
 from tests.helpers.workers import run_workers
@@ -29,7 +30,9 @@ def _fits(modes: dict[str, dict], config: ParityConfig = CONFIG) -> dict:
         out[name] = fit_lightning(config, strategy)
         exchange = strategy.robust_engine.exchange
         out[f"{name}/outcome"] = getattr(exchange, "metrics", dict)()
-        out[f"{name}/evictions"] = [step for step, rank, _ in getattr(exchange, "evictions", []) if rank == 3]
+        evictions = getattr(exchange, "evictions", [])
+        out[f"{name}/evictions"] = [step for step, rank, _ in evictions if rank == 3]
+        out[f"{name}/evicted"] = sorted({rank for _, rank, _ in evictions})
     return out
 
 
@@ -209,3 +212,41 @@ def test_colluding_alie_ranks_bend_the_update_but_are_never_evicted_and_the_hone
         assert r["alie/evictions"] == [] and r["alie/outcome"]["byzantine/members"] == 4.0
         assert r["alie/outcome"]["byzantine/proofs"] == 0.0
     assert max_abs_diff(honest[0]["alie"], honest[0]["byzantine"]) > 1e-6  # rank 3's rows did change the update
+
+
+def _colluding_fits(config: ParityConfig) -> dict:
+    """A fault-free fit and one where ranks 5 and 6 (f = 2) collude in alie; a colluder records, every step, the rows
+    its workers computed and the rows it committed to."""
+    from lightning_zero.byzantine.exchange import ByzantineExchange
+
+    collude, seen = ByzantineExchange._collude, []
+
+    def recorded(self, rows):
+        committed = collude(self, rows)
+        seen.append((rows.clone(), committed.clone()))
+        return committed
+
+    ByzantineExchange._collude = recorded
+    f2 = {"byzantine_ranks": 2, "byzantine_timeout": 60.0}
+    out = _fits({"byzantine": f2, "alie": {**f2, "byzantine_rank_behaviour": "alie"}}, config)
+    out["collusion"] = seen
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_two_colluders_pool_their_rows_through_the_store_and_commit_the_same_alie_row():
+    """7 processes, f = 2: ranks 5 and 6 each hold one worker's rows, so alie needs the other's through the store."""
+    config = dataclasses.replace(CONFIG, world_size=7, batches_per_rank=2)
+    ranks = run_workers(_colluding_fits, 7, config, timeout=800)
+    honest, (five, six) = ranks[:5], ranks[5:]
+    for r in honest:
+        assert max_abs_diff(r["alie"], honest[0]["alie"]) == 0.0  # safety
+        assert r["alie/evicted"] == [] and r["alie/outcome"]["byzantine/members"] == 7.0
+        assert r["alie/outcome"]["byzantine/proofs"] == 0.0 and r["collusion"] == []
+    assert max_abs_diff(honest[0]["alie"], honest[0]["byzantine"]) > 1e-6
+    assert len(five["collusion"]) == len(six["collusion"]) == config.optimizer_steps
+    for (rows5, sent5), (rows6, sent6) in zip(five["collusion"], six["collusion"]):
+        assert not torch.equal(rows5, rows6)  # two different honest rows were pooled
+        assert torch.equal(sent5, sent6)  # the same pool in the same order: the same bits
+        assert torch.equal(sent5, alie_rows(torch.cat([rows5, rows6]), 1))
