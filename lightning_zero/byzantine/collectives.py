@@ -21,6 +21,8 @@ members whose connection is up (a crashed rank's drops at once, and it is not wa
   another dtype or shape is dropped. What goes through it is logged metrics and Lightning's decisions, not weights:
   a Byzantine rank can bend those (the weights are the step protocol's).
 - ``gather_rows`` (a checkpoint's worker momentum): zero rows for a member that sent none.
+- ``gather_all`` (torchmetrics' state synchronisation): the tensors of the members that sent one of this rank's
+  dtype and number of dimensions, in rank order.
 - ``broadcast``: the source's value, decoded by ``torch.load(weights_only=True)`` (never a pickle of a peer's
   choosing); this rank's own value where the source is silent, gone or evicted, or sent what does not decode. A
   Byzantine source can still send different values to different ranks (no echo round here yet).
@@ -31,6 +33,7 @@ An evicted rank takes no part: each call returns its own value at once.
 from __future__ import annotations
 
 import io
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -88,6 +91,26 @@ class TolerantCollectives:
         for rank, value in values.items():
             out[rank * k : (rank + 1) * k] = value.to(rows.device)
         return out
+
+    def gather_all(self, tensor: Tensor) -> list[Tensor]:
+        """Every member's tensor of ``tensor``'s dtype and number of dimensions, any shape, in rank order (this
+        rank's own included): torchmetrics' state synchronisation (``dist_sync_fn``)."""
+        local = tensor.detach().cpu().contiguous()
+        kind = f"{local.dtype} {local.ndim}".encode()
+        shape = ",".join(map(str, local.shape)).encode()
+        got = self._round(wire.pack([kind, shape, inputs.piece_bytes(local.reshape(1, -1))]))
+        values = []
+        for sender in sorted(got):
+            try:
+                their_kind, their_shape, raw = wire.unpack(got[sender], count=3)
+                dims = [int(n) for n in their_shape.decode().split(",")] if their_shape else []
+            except (ValueError, UnicodeDecodeError):
+                continue
+            if their_kind != kind or len(dims) != local.ndim or len(raw) != math.prod(dims) * local.element_size():
+                continue
+            value = inputs.piece_tensor(raw, 1, local.dtype) if raw else torch.empty(0, dtype=local.dtype)
+            values.append(value.reshape(dims).to(tensor.device))
+        return values
 
     def _tensors(self, tensor: Tensor) -> dict[int, Tensor]:
         """``{rank: its tensor}`` of the members that sent one of ``tensor``'s dtype and shape (this rank's own

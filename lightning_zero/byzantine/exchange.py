@@ -18,6 +18,7 @@ aggregate as its centre (the same on every honest rank).
 
 from __future__ import annotations
 
+import atexit
 import copy
 import dataclasses
 import itertools
@@ -135,6 +136,7 @@ class ByzantineExchange:
                 prefix=self._new_prefix(),
             )  # fmt: skip
             self._transport = transport
+            atexit.register(transport.close)  # it outlives the fit's teardown ([Note: tolerant collectives])
             behaving = self.behaving_ranks if self.behaving_ranks is not None else list(members.members[-self.f :])
             self._colluders = sorted(set(behaving)) if self.behaviour in INPUT_BEHAVIOURS else []
             link: Any = transport

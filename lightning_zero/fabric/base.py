@@ -112,7 +112,7 @@ class ScratchFabricStrategy(DistributedPlumbing, ParallelStrategy):
         to load a checkpoint into) replaces the first model's engine, and the first model refuses to run again."""
         self._remove_engine()
         if not has_meta_tensors(module):  # a meta-device model is built by the stage-3 engine, alike on every rank
-            broadcast_module_states(module)
+            self._sync_states(module)
         self._module = module
         if self.activation_checkpointing_policy:
             self._checkpointed = activation_checkpointing.apply(module, self.activation_checkpointing_policy)
@@ -135,7 +135,15 @@ class ScratchFabricStrategy(DistributedPlumbing, ParallelStrategy):
 
     def _broadcast_buffers(self, module: nn.Module, args: Any) -> None:
         if self.broadcast_buffers and self._forward_param_sync:
-            broadcast_module_states(module, tag="buffers", buffers_only=True)
+            self._sync_buffers(module)
+
+    def _sync_states(self, module: nn.Module) -> None:
+        """Rank 0's parameters and buffers on every rank (at setup, as torch DDP's constructor does)."""
+        broadcast_module_states(module)
+
+    def _sync_buffers(self, module: nn.Module) -> None:
+        """Rank 0's buffers on every rank (torch DDP's buffer rule, before a forward)."""
+        broadcast_module_states(module, tag="buffers", buffers_only=True)
 
     def _after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         self._forward_param_sync = torch.is_grad_enabled() and not self._backward_sync_blocked

@@ -39,19 +39,23 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_zero.byzantine.front_end import SETTINGS as BYZANTINE_SETTINGS
+from lightning_zero.byzantine.front_end import ByzantineFrontEnd
 from lightning_zero.fabric.base import ScratchFabricStrategy
 from lightning_zero.robust.engine import CHECKPOINT_KEY, SETTINGS, RobustEngine, RobustFrontEnd, build_engine
 from lightning_zero.training.distributed import ROBUST_NAMES
 
 
-class RobustDDPStrategy(RobustFrontEnd, ScratchFabricStrategy):
+class RobustDDPStrategy(ByzantineFrontEnd, RobustFrontEnd, ScratchFabricStrategy):
     """Fabric's ``robust_ddp_scratch``.
 
     Args:
         aggregator: the rule; it and ``f``, ``aggregator_kwargs``, ``pre_aggregators``, ``workers_per_rank``,
-            ``worker_momentum``, ``attack``, ``attack_kwargs``, ``byzantine_workers``, ``seed`` as for the Trainer's
+            ``worker_momentum``, ``attack``, ``attack_kwargs``, ``byzantine_workers``, ``seed``,
+            ``sharded_aggregation``, ``aggregation_replicas`` and the Byzantine ranks mode's ``byzantine_ranks``,
+            ``byzantine_timeout``, ``byzantine_rank_behaviour``, ``byzantine_behaving_ranks`` as for the Trainer's
             :class:`~lightning_zero.strategies.robust.RobustDDPStrategy`, with the same checks: the names when the
-            strategy is built, the rule's bound for ``n`` when Fabric is.
+            strategy is built, the rule's bound for ``n`` and the mode's ``N >= 3f + 1`` when Fabric is.
         master_weights: must stay ``False``: the robust pipeline aggregates and steps the module's own parameters.
         **kwargs: those settings, and those of :class:`~lightning_zero.fabric.base.ScratchFabricStrategy`.
     """
@@ -61,7 +65,12 @@ class RobustDDPStrategy(RobustFrontEnd, ScratchFabricStrategy):
 
     def __init__(self, aggregator: str = "mean", master_weights: bool = False, **kwargs: Any) -> None:
         robust = {name: kwargs.pop(name) for name in SETTINGS if name in kwargs}
+        byzantine = {name: kwargs.pop(name) for name in BYZANTINE_SETTINGS if name in kwargs}
+        self._check_byzantine(
+            aggregator, robust.get("aggregation_replicas", 1), robust.get("workers_per_rank", 1), **byzantine
+        )
         self.engine = build_engine(aggregator, **robust)
+        self._attach_byzantine()
         super().__init__(master_weights=master_weights, **kwargs)
         self._worker: int | None = None  # the local worker of the current worker_batches iteration
 
@@ -72,9 +81,14 @@ class RobustDDPStrategy(RobustFrontEnd, ScratchFabricStrategy):
 
     @property
     def metrics(self) -> dict[str, float]:
-        """The last optimizer step's ``robust/*`` metrics, those the Trainer strategy logs (empty before the first
-        step): ``fabric.log_dict(fabric.strategy.metrics)``."""
-        return dict(self.engine.last_metrics)
+        """The last optimizer step's ``robust/*`` metrics (and ``byzantine/*`` with ``byzantine_ranks``), those the
+        Trainer strategy logs (empty before the first step): ``fabric.log_dict(fabric.strategy.metrics)``."""
+        return {**self.engine.last_metrics, **self.byzantine_metrics()} if self.engine.last_metrics else {}
+
+    @override
+    def _check_robust_settings(self) -> None:
+        self._check_byzantine_world()
+        super()._check_robust_settings()
 
     @override
     def _configure_launcher(self) -> None:
@@ -85,6 +99,7 @@ class RobustDDPStrategy(RobustFrontEnd, ScratchFabricStrategy):
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:
         self._setup_replica(module)
+        self._tolerant_metrics(module)
         self.engine.attach(module, find_unused_parameters=self.find_unused_parameters)
         return module
 

@@ -187,7 +187,7 @@ class ScratchParallelStrategy(DistributedPlumbing, ParallelStrategy):
         self.accelerator.setup(trainer)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        broadcast_module_states(self.model)
+        self._sync_states(self.model)
         self._apply_layer_sync(trainer)
         self._apply_activation_checkpointing(trainer)
 
@@ -243,7 +243,7 @@ class ScratchParallelStrategy(DistributedPlumbing, ParallelStrategy):
             yield
             return
         if self.broadcast_buffers and self._forward_param_sync and comm.is_initialized():
-            self._broadcast_buffers(module)
+            self._sync_buffers(module)
         yield
         self._forward_param_sync = torch.is_grad_enabled() and not self._backward_sync_blocked
 
@@ -257,7 +257,11 @@ class ScratchParallelStrategy(DistributedPlumbing, ParallelStrategy):
     def _before_step(self) -> None:
         """Before a step calls into the module (subclasses: gather what a step may use outside any forward)."""
 
-    def _broadcast_buffers(self, module: torch.nn.Module) -> None:
+    def _sync_states(self, module: torch.nn.Module) -> None:
+        """Rank 0's parameters and buffers on every rank (at setup, as torch DDP's constructor does)."""
+        broadcast_module_states(module)
+
+    def _sync_buffers(self, module: torch.nn.Module) -> None:
         """Rank 0's buffers on every rank (subclasses whose ranks hold different parts of the model override it)."""
         broadcast_module_states(module, tag="buffers", buffers_only=True)
 

@@ -312,7 +312,7 @@ class PipelineStrategy(ModelParallelStrategy):
         average_gradients(grads, self.groups.data_group)
 
     @override
-    def _broadcast_buffers(self, module: nn.Module) -> None:
+    def _sync_buffers(self, module: nn.Module) -> None:
         """[Note: data parallel x pipeline] Each stage's buffers from the first replica's rank of that stage, as
         ``ddp`` broadcasts rank 0's ([Note: buffer broadcast] in ``lightning_zero/strategies/base.py``)."""
         assert self.groups is not None

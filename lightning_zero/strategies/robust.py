@@ -40,9 +40,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_zero.byzantine.collectives import TolerantCollectives
-from lightning_zero.byzantine.exchange import ByzantineExchange
-from lightning_zero.byzantine.exchange import check_settings as check_byzantine_settings
+from lightning_zero.byzantine.front_end import ByzantineFrontEnd
 from lightning_zero.robust.aggregation import StageSpec
 from lightning_zero.robust.engine import (
     CHECKPOINT_KEY,
@@ -52,12 +50,12 @@ from lightning_zero.robust.engine import (
     check_workers,
 )
 from lightning_zero.strategies.base import ScratchParallelStrategy
-from lightning_zero.training.distributed import ROBUST_NAMES, reduce_op_name
+from lightning_zero.training.distributed import ROBUST_NAMES
 
 __all__ = ["CHECKPOINT_KEY", "RobustDDPStrategy", "check_precision_settings", "check_workers"]
 
 
-class RobustDDPStrategy(RobustFrontEnd, ScratchParallelStrategy):
+class RobustDDPStrategy(ByzantineFrontEnd, RobustFrontEnd, ScratchParallelStrategy):
     """Data parallelism with a robust aggregation rule over ``n = workers_per_rank x world_size`` workers.
 
     Args:
@@ -120,13 +118,10 @@ class RobustDDPStrategy(RobustFrontEnd, ScratchParallelStrategy):
         master_weights: bool = False,
         **kwargs: Any,
     ) -> None:
-        self._byzantine = {
-            "byzantine_ranks": byzantine_ranks, "byzantine_timeout": byzantine_timeout, "aggregator": aggregator,
-            "aggregation_replicas": aggregation_replicas, "byzantine_rank_behaviour": byzantine_rank_behaviour,
-            "byzantine_behaving_ranks": None if byzantine_behaving_ranks is None else list(byzantine_behaving_ranks),
-            "workers_per_rank": workers_per_rank,
-        }  # fmt: skip
-        check_byzantine_settings(**self._byzantine)
+        self._check_byzantine(
+            aggregator, aggregation_replicas, workers_per_rank, byzantine_ranks, byzantine_timeout,
+            byzantine_rank_behaviour, byzantine_behaving_ranks,
+        )  # fmt: skip
         self.robust_engine = build_engine(
             aggregator,
             f=f,
@@ -141,13 +136,7 @@ class RobustDDPStrategy(RobustFrontEnd, ScratchParallelStrategy):
             sharded_aggregation=sharded_aggregation,
             aggregation_replicas=aggregation_replicas,
         )
-        if byzantine_ranks:
-            self.robust_engine.exchange = ByzantineExchange(  # type: ignore[assignment]
-                byzantine_ranks,
-                byzantine_timeout,
-                byzantine_rank_behaviour,
-                self._byzantine["byzantine_behaving_ranks"],
-            )
+        self._attach_byzantine()
         super().__init__(master_weights=master_weights, **kwargs)
         self._worker_losses: list[Tensor] = []
 
@@ -159,7 +148,7 @@ class RobustDDPStrategy(RobustFrontEnd, ScratchParallelStrategy):
 
     @override
     def _check_robust_settings(self) -> None:
-        check_byzantine_settings(**self._byzantine, world_size=self.num_nodes * self.num_processes)
+        self._check_byzantine_world()
         super()._check_robust_settings()
 
     @override
@@ -171,6 +160,8 @@ class RobustDDPStrategy(RobustFrontEnd, ScratchParallelStrategy):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         self._setup_replicas(trainer)
+        assert self.lightning_module is not None
+        self._tolerant_metrics(self.lightning_module)
         if trainer.state.fn == TrainerFn.FITTING:
             if not self.lightning_module.automatic_optimization:
                 raise ValueError("robust_ddp_scratch needs automatic optimization (automatic_optimization=True)")
@@ -182,6 +173,17 @@ class RobustDDPStrategy(RobustFrontEnd, ScratchParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    @override
+    def _sync_states(self, module: torch.nn.Module) -> None:
+        """At a ``validate`` or ``test`` after a fit whose protocol still runs, only rank 0's buffers, tolerantly:
+        the parameters are the step protocol's, the same on every honest rank, and through gloo a crashed rank would
+        fail the broadcast. A fit starts a new run: rank 0's parameters and buffers, as torch DDP's constructor."""
+        assert self.lightning_module is not None
+        if self._tolerant() is not None and self.lightning_module.trainer.state.fn != TrainerFn.FITTING:
+            self._sync_buffers(module)
+        else:
+            super()._sync_states(module)
 
     # ------------------------------------------------------------ forward: one call per worker
     @override
@@ -226,61 +228,11 @@ class RobustDDPStrategy(RobustFrontEnd, ScratchParallelStrategy):
             if boundary:  # sharded: worker j's exchange overlaps the next workers' backward
                 self.robust_engine.send(j)
         if boundary:
-            metrics = self.robust_engine.aggregate()
-            exchange = self.robust_engine.exchange
-            if isinstance(exchange, ByzantineExchange):
-                metrics.update(exchange.metrics())
+            metrics = {**self.robust_engine.aggregate(), **self.byzantine_metrics()}
             module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
         return self.precision_plugin.post_backward(closure_loss, module)
 
-    # ------------------------------------------------------------ Lightning's collectives
-    def _tolerant(self) -> TolerantCollectives | None:
-        """With ``byzantine_ranks``, once the step protocol runs: Lightning's collectives over the signed transport
-        ([Note: tolerant collectives] in lightning_zero/byzantine/collectives.py); before, gloo's."""
-        exchange = self.robust_engine.exchange
-        return exchange.collectives if isinstance(exchange, ByzantineExchange) and exchange.running else None
-
-    @override
-    def barrier(self, name: str | None = None) -> None:
-        calls = self._tolerant()
-        if calls is None:
-            super().barrier(name)
-        else:
-            calls.barrier()
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        calls = self._tolerant()
-        return super().broadcast(obj, src) if calls is None else calls.broadcast(obj, src)
-
-    @override
-    def all_reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
-        calls = self._tolerant()
-        if calls is None or not isinstance(tensor, Tensor) or group is not None:
-            return super().all_reduce(tensor, group, reduce_op)
-        return calls.all_reduce(tensor, reduce_op_name(reduce_op))
-
     # ------------------------------------------------------------ checkpoints
-    @override
-    def robust_state_dict(self) -> dict[str, Any]:
-        """The robust state, and with ``byzantine_ranks`` the membership and proofs ([Note: eviction])."""
-        state = super().robust_state_dict()
-        if isinstance(self.robust_engine.exchange, ByzantineExchange):
-            state["byzantine"] = self.robust_engine.exchange.state_dict()
-        return state
-
-    @override
-    def load_robust_state_dict(self, state: Mapping[str, Any]) -> None:
-        super().load_robust_state_dict(state)
-        exchange = self.robust_engine.exchange
-        if isinstance(exchange, ByzantineExchange) != ("byzantine" in state):
-            raise ValueError(
-                "the checkpoint's robust state and this run disagree on byzantine_ranks: resume a Byzantine ranks"
-                " run with byzantine_ranks set, and another run without it"
-            )
-        if isinstance(exchange, ByzantineExchange):
-            exchange.load_state_dict(state["byzantine"])
-
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         if "optimizer_states" in checkpoint:  # not for weights-only checkpoints
@@ -298,7 +250,5 @@ class RobustDDPStrategy(RobustFrontEnd, ScratchParallelStrategy):
         # The worker rows stay, like the optimizer's state: momentum rows belong in a checkpoint saved after fit.
         self._worker_losses = []
         self.robust_engine.remove()
-        if isinstance(self.robust_engine.exchange, ByzantineExchange):
-            self.robust_engine.exchange.close()
         self._revert_layer_sync()
         super().teardown()

@@ -39,6 +39,8 @@ def calls(rank: int, link: Any) -> dict[str, Any]:
     collectives.barrier()
     out["broadcast"] = collectives.broadcast({"path": f"from rank {rank}", "n": rank}, src=1)
     out["rows"] = collectives.gather_rows(value_of(rank))
+    out["gathered"] = collectives.gather_all(torch.arange(rank + 1) * 10)  # a shape of each rank's (a cat state)
+    out["empty"] = collectives.gather_all(torch.zeros(0, 3))
     return out
 
 
@@ -50,6 +52,8 @@ def test_without_faults_each_call_equals_the_plain_collective_on_every_member():
         assert torch.equal(out[r]["avg"], stack.sum(0) / 4)
         assert out[r]["broadcast"] == {"path": "from rank 1", "n": 1}
         assert torch.equal(out[r]["rows"], torch.cat(list(stack)))
+        assert [t.tolist() for t in out[r]["gathered"]] == [(torch.arange(q + 1) * 10).tolist() for q in range(4)]
+        assert [tuple(t.shape) for t in out[r]["empty"]] == [(0, 3)] * 4
 
 
 def test_a_silent_member_is_left_out_of_every_call_and_a_silent_source_leaves_each_its_own():
@@ -58,6 +62,7 @@ def test_a_silent_member_is_left_out_of_every_call_and_a_silent_source_leaves_ea
     for r in (0, 2, 3):
         assert torch.equal(out[r]["sum"], stack.sum(0)) and torch.equal(out[r]["avg"], stack.sum(0) / 3)
         assert out[r]["broadcast"] == {"path": f"from rank {r}", "n": r}  # the source said nothing
+        assert [len(t) for t in out[r]["gathered"]] == [1, 3, 4]  # rank 1's is missing, the others in rank order
         assert torch.equal(out[r]["rows"][2:4], torch.zeros(2, 3))  # rank 1's rows: zeros
 
 

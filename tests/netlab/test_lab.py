@@ -133,6 +133,7 @@ def _loopback_job(mode: str, out: Path, port: int) -> None:
         assert node.returncode == 0, err[-3000:]
 
 
+@pytest.mark.slow  # 70 s each: the default run keeps the lab's refusals and its exit-code test
 @needs_root
 def test_a_fit_across_the_lab_equals_the_fit_on_loopback_and_bytes_take_bytes_over_rate(
     tmp_path: Path, no_lab_left: None
@@ -183,6 +184,7 @@ def test_refusals_leave_no_lab_object(no_lab_left: None) -> None:
     assert lab_objects() == []
 
 
+@pytest.mark.slow  # 70 s each: the default run keeps the lab's refusals and its exit-code test
 @needs_root
 def test_check_measures_each_link_and_fits_each_collective(tmp_path: Path, no_lab_left: None) -> None:
     out = tmp_path / "check.json"

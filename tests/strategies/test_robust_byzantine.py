@@ -10,9 +10,11 @@ import os
 import lightning as L
 import pytest
 import torch
+import torchmetrics
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 import lightning_zero
+from lightning_zero.byzantine.audit import ByzantineAudit, read, summarize
 from lightning_zero.byzantine.behaviours import alie_rows
 from lightning_zero.byzantine.exchange import CRASH_EXIT
 from tests.helpers.parity import ParityConfig, ParityModule, fit_lightning, make_trainer, max_abs_diff, train_loader
@@ -23,11 +25,13 @@ CONFIG = ParityConfig(world_size=4, batches_per_rank=4, max_epochs=1, gradient_c
 RULE = dict(aggregator="centered_clipping", f=1, aggregator_kwargs={"tau": 0.5}, worker_momentum=0.5)
 
 
-def _fits(modes: dict[str, dict], config: ParityConfig = CONFIG) -> dict:
+def _fits(modes: dict[str, dict], config: ParityConfig = CONFIG, audit_dir: str | None = None) -> dict:
+    """Each mode's fit; with ``audit_dir``, every rank audits every step into ``<audit_dir>/<mode>``."""
     out = {}
     for name, mode in modes.items():
         strategy = lightning_zero.RobustDDPStrategy(**RULE, **mode)
-        out[name] = fit_lightning(config, strategy)
+        audit = [] if audit_dir is None else [ByzantineAudit(os.path.join(audit_dir, name))]
+        out[name] = fit_lightning(config, strategy, callbacks=audit)
         exchange = strategy.robust_engine.exchange
         out[f"{name}/outcome"] = getattr(exchange, "metrics", dict)()
         evictions = getattr(exchange, "evictions", [])
@@ -94,15 +98,19 @@ def test_robust_zero_refuses_byzantine_ranks():
 
 
 @pytest.mark.timeout(600)
-def test_an_equivocating_or_silent_rank_is_evicted_and_the_honest_ranks_train_on_identical():
+def test_an_equivocating_or_silent_rank_is_evicted_and_the_honest_ranks_train_on_identical(tmp_path):
     modes = {
         "byzantine": BYZANTINE,
         "equivocate": {**BYZANTINE, "byzantine_rank_behaviour": "equivocate"},
         "silent": {**BYZANTINE, "byzantine_timeout": 2.0, "byzantine_rank_behaviour": "silent"},
     }
-    ranks = run_workers(_fits, 4, modes, timeout=500)
+    ranks = run_workers(_fits, 4, modes, CONFIG, str(tmp_path), timeout=500)
     honest = ranks[:3]
     for name, evicted_after in (("equivocate", 0), ("silent", 1)):  # proven at once; left out f + 1 = 2 steps
+        audit = summarize(read(tmp_path / name), faulty=[3], world_size=4)  # every step, not only the last
+        assert audit["safe"] and audit["steps"] == CONFIG.optimizer_steps, (name, audit)
+        assert audit["honest_evicted"] == [] and audit["faulty_evicted"] == {3: evicted_after}, (name, audit)
+        assert audit["evicted_by_all"] == {3: True}, (name, audit)
         for r in honest:
             assert max_abs_diff(r[name], honest[0][name]) == 0.0, name  # safety: one model among the honest
             assert r[f"{name}/outcome"]["byzantine/members"] == 3.0, name  # the last step: rank 3 is out
@@ -128,12 +136,26 @@ def test_a_straggler_inside_the_timeout_trains_as_no_fault_and_one_past_it_is_ev
 
 
 class _Logged(ParityModule):
-    """Logs its loss reduced over the ranks (``sync_dist=True``: Lightning's reduce) each step."""
+    """A BatchNorm MLP (rank 0's buffers broadcast before every forward, as torch DDP does) that logs its loss
+    reduced over the ranks (``sync_dist=True``: Lightning's reduce) each step."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(6, 16), torch.nn.BatchNorm1d(16), torch.nn.Tanh(), torch.nn.Linear(16, 3)
+        )
+        self.val_mse = torchmetrics.MeanSquaredError()  # its states synced across the ranks by compute()
 
     def training_step(self, batch, batch_idx):
         loss = super().training_step(batch, batch_idx)
         self.log("loss", loss, sync_dist=True, on_step=True, batch_size=1)
         return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.val_mse(self.net(x), y)
+        self.log("val_mse", self.val_mse)
 
 
 def _fit_through_a_crash(tmp: str) -> dict:
@@ -145,11 +167,17 @@ def _fit_through_a_crash(tmp: str) -> dict:
     every_step = ModelCheckpoint(dirpath=tmp, every_n_train_steps=1, save_top_k=-1)  # barriers, broadcasts, votes
     trainer = make_trainer(config, strategy, enable_checkpointing=True, callbacks=[every_step])
     trainer.fit(module, train_loader(config))
+    weights = {k: v.detach().clone() for k, v in module.net.state_dict().items()}
+    loss = trainer.callback_metrics["loss"].clone()
+    validated = trainer.validate(module, train_loader(config), verbose=False)  # after the fit, rank 3 still gone
+    buffers = {k: v.detach().clone() for k, v in module.net.named_buffers()}  # rank 0's, broadcast for validate
     exchange = strategy.robust_engine.exchange
     return {
-        "weights": {k: v.detach().clone() for k, v in module.net.state_dict().items()},
+        "weights": weights,
+        "buffers": buffers,
+        "val_mse": validated[0]["val_mse"],
         "steps": trainer.global_step,
-        "loss": trainer.callback_metrics["loss"].clone(),
+        "loss": loss,
         "evictions": [(step, rank) for step, rank, _ in exchange.evictions],
         "members": exchange.metrics()["byzantine/members"],
         "saved": sorted(os.listdir(tmp)),
@@ -159,14 +187,22 @@ def _fit_through_a_crash(tmp: str) -> dict:
 @pytest.mark.timeout(600)
 def test_a_crashed_rank_is_evicted_and_the_honest_ranks_finish_the_fit_on_one_model(tmp_path):
     """Rank 3's process exits at step 1 (``crash``), in the middle of Lightning's collectives (the loss logged with
-    ``sync_dist``, a checkpoint every step): they go on over the signed transport without it ([Note: tolerant
-    collectives]); the step protocol leaves rank 3 out of steps 1 and 2 and evicts it after step 2."""
+    ``sync_dist``, a checkpoint every step, rank 0's BatchNorm buffers before every forward): they go on over the
+    signed transport without it ([Note: tolerant collectives]); the step protocol leaves rank 3 out of steps 1 and 2
+    and evicts it after step 2. The honest ranks' buffers are rank 0's, bit for bit. A ``validate`` after the fit,
+    whose torchmetrics state is gathered from every rank, goes on without rank 3 too."""
     ranks = run_workers(_fit_through_a_crash, 4, str(tmp_path), timeout=500, dies=[3])
     assert ranks[3] == CRASH_EXIT
     for r in ranks[:3]:
         assert r["steps"] == 4 and r["evictions"] == [(2, 3)] and r["members"] == 3.0
-        assert max_abs_diff(r["weights"], ranks[0]["weights"]) == 0.0
+        params = {k: v for k, v in r["weights"].items() if k not in r["buffers"]}
+        assert max_abs_diff(params, {k: ranks[0]["weights"][k] for k in params}) == 0.0
+        # After a training forward each rank's BatchNorm statistics hold its own batch, as under torch DDP; the
+        # validation's first forward broadcast rank 0's, over the signed transport.
+        assert max_abs_diff(r["buffers"], ranks[0]["buffers"]) == 0.0
         assert torch.equal(r["loss"], ranks[0]["loss"])  # reduced over the same ranks everywhere
+    assert ranks[0]["buffers"]["1.num_batches_tracked"].item() == 4  # buffers of every step's forward
+    assert len({r["val_mse"] for r in ranks[:3]}) == 1  # the metric's states gathered from the same ranks
     assert ranks[0]["saved"] == [f"epoch=0-step={s}.ckpt" for s in range(1, 5)]
 
 
