@@ -77,6 +77,12 @@ class ByzantineFrontEnd:
         exchange = self.robust_engine.exchange
         return exchange if isinstance(exchange, ByzantineExchange) else None
 
+    @property
+    def evicted_ranks(self) -> frozenset[int]:
+        """The ranks this rank's protocol evicted so far (the CLI tolerates their processes' failure)."""
+        exchange = self.byzantine_exchange
+        return frozenset(rank for _, rank, _ in exchange.evictions) if exchange is not None else frozenset()
+
     def byzantine_metrics(self) -> dict[str, float]:
         """The last step's ``byzantine/*`` metrics (none without the mode)."""
         exchange = self.byzantine_exchange

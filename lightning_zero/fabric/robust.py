@@ -35,12 +35,14 @@ from __future__ import annotations
 from collections.abc import Generator
 from typing import Any
 
+from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero.byzantine.front_end import SETTINGS as BYZANTINE_SETTINGS
 from lightning_zero.byzantine.front_end import ByzantineFrontEnd
+from lightning_zero.byzantine.launcher import FabricLauncher
 from lightning_zero.fabric.base import ScratchFabricStrategy
 from lightning_zero.robust.engine import CHECKPOINT_KEY, SETTINGS, RobustEngine, RobustFrontEnd, build_engine
 from lightning_zero.training.distributed import ROBUST_NAMES
@@ -94,6 +96,9 @@ class RobustDDPStrategy(ByzantineFrontEnd, RobustFrontEnd, ScratchFabricStrategy
     def _configure_launcher(self) -> None:
         self._check_robust_settings()  # Fabric is being built: no process has started yet
         super()._configure_launcher()
+        if self.byzantine_exchange is not None and type(self._launcher) is _SubprocessScriptLauncher:
+            # Lightning's observer would SIGKILL every rank when one crashes (lightning_zero/byzantine/launcher.py).
+            self._launcher = FabricLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         self._check_precision()
 
     @override

@@ -36,11 +36,13 @@ import torch
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from typing_extensions import override
 
 from lightning_zero.byzantine.front_end import ByzantineFrontEnd
+from lightning_zero.byzantine.launcher import TrainerLauncher
 from lightning_zero.robust.aggregation import StageSpec
 from lightning_zero.robust.engine import (
     CHECKPOINT_KEY,
@@ -155,6 +157,9 @@ class RobustDDPStrategy(ByzantineFrontEnd, RobustFrontEnd, ScratchParallelStrate
     def _configure_launcher(self) -> None:
         self._check_robust_settings()  # the Trainer is being built: no process has started yet
         super()._configure_launcher()
+        if self.byzantine_exchange is not None and type(self._launcher) is _SubprocessScriptLauncher:
+            # Lightning's observer would SIGKILL every rank when one crashes (lightning_zero/byzantine/launcher.py).
+            self._launcher = TrainerLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         self._check_precision()
 
     @override

@@ -157,6 +157,11 @@ class JobScope:
         os.environ.update(self._saved_env)
         sys.argv = self._saved_argv
 
+    def _node_offset(self) -> int:
+        """The global rank of this node's local rank 0."""
+        trainer = self._trainer
+        return int(getattr(trainer, "node_rank", 0)) * int(getattr(trainer, "num_devices", 1))
+
     def _reap_children(self, raise_on_failure: bool) -> None:
         """Wait for the ranks this job started; a rank that failed fails the job (if nothing else did).
 
@@ -167,6 +172,8 @@ class JobScope:
         # The popen launcher's children; a spawn launcher joins its own processes before fit returns.
         procs = [p for p in getattr(launcher, "procs", None) or [] if isinstance(p, subprocess.Popen)]
         timeout = self.child_timeout if raise_on_failure else self.failed_grace
+        # A rank the Byzantine ranks mode evicted (e.g. one that crashed) is a fault the fit tolerated.
+        evicted = getattr(getattr(self._trainer, "strategy", None), "evicted_ranks", frozenset())
         failed = []
         for local_rank, proc in enumerate(procs, start=1):
             try:
@@ -182,6 +189,10 @@ class JobScope:
                 proc.kill()
                 proc.wait()
             if proc.returncode != 0:
-                failed.append(f"local rank {local_rank} (pid {proc.pid}) exited with code {proc.returncode}")
+                what = f"local rank {local_rank} (pid {proc.pid}) exited with code {proc.returncode}"
+                if self._node_offset() + local_rank in evicted:
+                    log.warning("%s: the Byzantine ranks mode had evicted it, and the others finished", what)
+                else:
+                    failed.append(what)
         if failed and raise_on_failure:
             raise RuntimeError("; ".join(failed))

@@ -95,3 +95,16 @@ def test_bad_byzantine_settings_are_refused_when_fabric_is_built():
         Fabric(accelerator="cpu", devices=3, strategy=strategy)
     with pytest.raises(ValueError, match=r"byzantine_ranks needs a robust rule"):
         lightning_zero.fabric.RobustDDPStrategy("mean", byzantine_ranks=1)
+
+
+def test_the_byzantine_mode_launches_without_lightnings_child_process_observer():
+    from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+    from lightning_zero.byzantine.launcher import FabricLauncher
+
+    def launcher(**kwargs):
+        strategy = lightning_zero.fabric.RobustDDPStrategy("median", f=1, **kwargs)
+        return Fabric(accelerator="cpu", devices=4, strategy=strategy).strategy.launcher
+
+    assert type(launcher(byzantine_ranks=1)) is FabricLauncher
+    assert type(launcher()) is _SubprocessScriptLauncher

@@ -92,6 +92,20 @@ def test_bad_settings_are_refused_when_the_trainer_is_built(kwargs, devices, mes
         L.Trainer(accelerator="cpu", devices=devices, strategy=lightning_zero.RobustDDPStrategy(**kwargs))
 
 
+def test_the_byzantine_mode_launches_without_lightnings_child_process_observer():
+    """Lightning's observer SIGKILLs every rank when one exits non-zero: the mode's own launcher does not start it."""
+    from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+
+    from lightning_zero.byzantine.launcher import TrainerLauncher
+
+    def launcher(**kwargs):
+        strategy = lightning_zero.RobustDDPStrategy("median", f=1, **kwargs)
+        return L.Trainer(accelerator="cpu", devices=4, strategy=strategy).strategy.launcher
+
+    assert type(launcher(byzantine_ranks=1)) is TrainerLauncher
+    assert type(launcher()) is _SubprocessScriptLauncher
+
+
 def test_robust_zero_refuses_byzantine_ranks():
     with pytest.raises(ValueError, match=r"byzantine_ranks=1 is not supported by robust_zero2_scratch yet"):
         lightning_zero.RobustZeroStrategy(stage=2, aggregator="median", byzantine_ranks=1)
