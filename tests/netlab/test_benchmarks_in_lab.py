@@ -49,9 +49,11 @@ SMOKE = {
         "ddp_powersgd: bytes of the last step",
     ),
 }
-# A GPU script, two modules the others import, and formulas that send nothing (byzantine_scale.py prints
-# lightning_zero/byzantine/costs.py's counts; the ledger test checks those against real steps).
-NOT_IN_A_LAB = {"gpu_step_time.py", "gpt.py", "processes.py", "byzantine_scale.py"}
+# A GPU script, two modules the others import, formulas that send nothing (byzantine_scale.py prints
+# lightning_zero/byzantine/costs.py's counts; the ledger test checks those against real steps), and a driver of
+# single-host lightning-zero-train runs (byzantine_grid.py: each cell starts its own ranks with Lightning's popen
+# launcher, not under torchrun).
+NOT_IN_A_LAB = {"gpu_step_time.py", "gpt.py", "processes.py", "byzantine_scale.py", "byzantine_grid.py"}
 
 
 def test_every_benchmark_has_a_lab_run() -> None:
