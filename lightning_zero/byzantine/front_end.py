@@ -39,6 +39,8 @@ class ByzantineFrontEnd:
     robust_engine: RobustEngine
     num_nodes: int
     num_processes: int
+    cluster_environment: Any
+    _launcher: Any
 
     def _check_byzantine(
         self,
@@ -67,6 +69,12 @@ class ByzantineFrontEnd:
                 settings["byzantine_ranks"], settings["byzantine_timeout"], settings["byzantine_rank_behaviour"],
                 settings["byzantine_behaving_ranks"],
             )  # fmt: skip
+
+    def _launch_without_observer(self, plain: type, tolerant: type) -> None:
+        """In the mode, Lightning's popen launcher (``plain``) becomes ``tolerant``: Lightning's observer would
+        SIGKILL every rank when one crashes (``lightning_zero/byzantine/launcher.py``)."""
+        if self.byzantine_exchange is not None and type(self._launcher) is plain:
+            self._launcher = tolerant(self.cluster_environment, self.num_processes, self.num_nodes)
 
     def _check_byzantine_world(self) -> None:
         """The settings against the world size, before any process starts."""

@@ -96,9 +96,7 @@ class RobustDDPStrategy(ByzantineFrontEnd, RobustFrontEnd, ScratchFabricStrategy
     def _configure_launcher(self) -> None:
         self._check_robust_settings()  # Fabric is being built: no process has started yet
         super()._configure_launcher()
-        if self.byzantine_exchange is not None and type(self._launcher) is _SubprocessScriptLauncher:
-            # Lightning's observer would SIGKILL every rank when one crashes (lightning_zero/byzantine/launcher.py).
-            self._launcher = FabricLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        self._launch_without_observer(_SubprocessScriptLauncher, FabricLauncher)
         self._check_precision()
 
     @override
